@@ -1,0 +1,196 @@
+"""Argument checks at the API edge: array coercion, dtypes, shapes, devices, ``out=``.
+
+Every public function calls into here once; the stages behind it trust what they get.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT16 = np.dtype(np.float16)
+FLOAT32 = np.dtype(np.float32)
+ACTIVATION_DTYPES = (BFLOAT16, FLOAT16)
+ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+ALIGNMENT = 64  # H and I must be multiples of this (the kernels' K tile)
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def _dtype_name(dtype) -> str:
+    return "bfloat16" if dtype == BFLOAT16 else str(dtype)
+
+
+def _names(dtypes) -> str:
+    return " or ".join(_dtype_name(d) for d in dtypes)
+
+
+def as_array(obj, name: str):
+    """Return ``obj`` as a numpy.ndarray or cupy.ndarray without copying.
+
+    NumPy and CuPy arrays pass through; CUDA arrays from other libraries (torch, JAX, ...)
+    are wrapped zero-copy through ``__cuda_array_interface__`` or DLPack.
+    """
+    if isinstance(obj, np.ndarray):
+        return obj
+    cupy = _cupy()
+    if cupy is not None and isinstance(obj, cupy.ndarray):
+        return obj
+    if hasattr(obj, "__dlpack_device__"):
+        device_type = int(obj.__dlpack_device__()[0])
+        if device_type == 1:  # kDLCPU
+            return np.from_dlpack(obj)
+        if cupy is None:
+            raise TypeError(f"{name}: a CUDA array needs CuPy (pip install 'cupymoe[cuda12]')")
+        return cupy.from_dlpack(obj)
+    if hasattr(obj, "__cuda_array_interface__"):
+        if cupy is None:
+            raise TypeError(f"{name}: a CUDA array needs CuPy (pip install 'cupymoe[cuda12]')")
+        return cupy.asarray(obj)
+    raise TypeError(
+        f"{name}: expected a NumPy, CuPy or DLPack-capable array, got {type(obj).__name__}"
+    )
+
+
+def array_module(arrays: dict):
+    """Return numpy or cupy, the module every array in ``arrays`` (name -> array) belongs to.
+
+    Raises TypeError when host and device arrays are mixed and ValueError when device
+    arrays live on different GPUs.
+    """
+    on_host = [n for n, a in arrays.items() if isinstance(a, np.ndarray)]
+    on_device = [n for n in arrays if n not in on_host]
+    if on_host and on_device:
+        raise TypeError(
+            f"all arrays must be on the same side: {', '.join(on_host)} on the host (NumPy) "
+            f"but {', '.join(on_device)} on the GPU"
+        )
+    if on_host:
+        return np
+    cupy = _cupy()
+    devices = {n: arrays[n].device.id for n in on_device}
+    first = next(iter(devices.values()))
+    if any(d != first for d in devices.values()):
+        where = ", ".join(f"{n} on GPU {d}" for n, d in devices.items())
+        raise ValueError(f"all arrays must be on one GPU, got {where}")
+    return cupy
+
+
+def check_array(a, name: str, ndim: int, dtypes) -> None:
+    if a.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d array, got shape {tuple(a.shape)}")
+    if a.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {_names(dtypes)}, got {_dtype_name(a.dtype)}")
+
+
+def require_contiguous(a, name: str) -> None:
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array (strides {a.strides})")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of one MoE forward."""
+
+    tokens: int  # T
+    hidden: int  # H
+    experts: int  # E
+    intermediate: int  # I
+    top_k: int  # k
+    dtype: np.dtype  # activations, weights and output
+
+
+def check_weights(w13, w2) -> tuple[int, int, int, np.dtype]:
+    """Validate the expert weights; return (E, I, H, dtype)."""
+    check_array(w13, "w13", 3, ACTIVATION_DTYPES)
+    check_array(w2, "w2", 3, ACTIVATION_DTYPES)
+    if w2.dtype != w13.dtype:
+        raise TypeError(
+            f"w2: expected dtype {_dtype_name(w13.dtype)} like w13, got {_dtype_name(w2.dtype)}"
+        )
+    experts, two_i, hidden = w13.shape
+    if experts < 1:
+        raise ValueError(f"w13: expected at least one expert, got shape {tuple(w13.shape)}")
+    if two_i % 2:
+        raise ValueError(f"w13: expected an even dimension 1 (gate rows then up rows), got {two_i}")
+    inter = two_i // 2
+    if hidden % ALIGNMENT or hidden == 0:
+        raise ValueError(f"w13: hidden size must be a positive multiple of {ALIGNMENT}, got {hidden}")
+    if inter % ALIGNMENT or inter == 0:
+        raise ValueError(
+            f"w13: intermediate size must be a positive multiple of {ALIGNMENT}, got {inter}"
+        )
+    if tuple(w2.shape) != (experts, hidden, inter):
+        raise ValueError(f"w2: expected shape {(experts, hidden, inter)}, got {tuple(w2.shape)}")
+    require_contiguous(w13, "w13")
+    require_contiguous(w2, "w2")
+    return experts, inter, hidden, w13.dtype
+
+
+def check_routing(topk_ids, topk_weights, tokens: int, experts: int) -> int:
+    """Validate the routing arrays against T and E; return k."""
+    check_array(topk_ids, "topk_ids", 2, ID_DTYPES)
+    if topk_ids.shape[0] != tokens:
+        raise ValueError(f"topk_ids: expected {tokens} rows like x, got shape {tuple(topk_ids.shape)}")
+    top_k = topk_ids.shape[1]
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"topk_ids: expected 1 <= k <= {experts} (the experts), got k = {top_k}")
+    if topk_weights is not None:
+        check_array(topk_weights, "topk_weights", 2, (FLOAT32,))
+        if topk_weights.shape != topk_ids.shape:
+            raise ValueError(
+                f"topk_weights: expected shape {tuple(topk_ids.shape)} like topk_ids, "
+                f"got {tuple(topk_weights.shape)}"
+            )
+    return top_k
+
+
+def check_out(out, xp, shape: tuple, dtype, device_id=None) -> None:
+    """Validate a caller-supplied output buffer."""
+    if not isinstance(out, xp.ndarray):
+        side = "a NumPy" if xp is np else "a CuPy"
+        raise TypeError(f"out: expected {side} array like the inputs, got {type(out).__name__}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out: expected shape {shape}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"out: expected dtype {_dtype_name(dtype)}, got {_dtype_name(out.dtype)}")
+    require_contiguous(out, "out")
+    if device_id is not None and out.device.id != device_id:
+        raise ValueError(f"out: expected an array on GPU {device_id}, got one on GPU {out.device.id}")
+
+
+def check_forward(x, w13, w2, topk_ids, topk_weights) -> Shape:
+    """Validate the arguments of one forward (already coerced, one module); return its Shape."""
+    experts, inter, hidden, dtype = check_weights(w13, w2)
+    check_array(x, "x", 2, ACTIVATION_DTYPES)
+    if x.dtype != dtype:
+        raise TypeError(f"x: expected dtype {_dtype_name(dtype)} like w13, got {_dtype_name(x.dtype)}")
+    if x.shape[1] != hidden:
+        raise ValueError(f"x: expected {hidden} columns (w13's hidden size), got shape {tuple(x.shape)}")
+    top_k = check_routing(topk_ids, topk_weights, x.shape[0], experts)
+    return Shape(x.shape[0], hidden, experts, inter, top_k, dtype)
+
+
+def check_ids_in_range(topk_ids, experts: int) -> None:
+    """Raise ValueError if an id lies outside [-1, experts). Synchronises on the GPU."""
+    if topk_ids.size == 0:
+        return
+    bad = (topk_ids < -1) | (topk_ids >= experts)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in np.argwhere(_to_host(bad))[0])
+        raise ValueError(
+            f"topk_ids: expected ids in [-1, {experts}), got {int(topk_ids[first])} at {first} "
+            "(pass check_ids=False to treat out-of-range ids as -1 without this check)"
+        )
+
+
+def _to_host(a):
+    return a if isinstance(a, np.ndarray) else a.get()

@@ -1,0 +1,74 @@
+"""Launches the dispatch kernels (histogram, scan, stable scatter) into preallocated buffers."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _compile
+from .dispatch import Dispatch
+
+SOURCE = "dispatch.cu"
+NAMES = ("dispatch_count<int>", "dispatch_count<long long>", "dispatch_scan",
+         "dispatch_scatter<int>", "dispatch_scatter<long long>")
+CHUNK = 256  # DISPATCH_CHUNK in dispatch.cu
+COUNT_WARPS = 4
+SCAN_THREADS = 1024
+SCATTER_THREADS = 256
+
+
+class DispatchBuffers:
+    """Device arrays for dispatching S slots over E experts, including the GEMMs' m-tile maps."""
+
+    def __init__(self, slots: int, experts: int, block_m_gate_up: int, block_m_down: int):
+        import cupy
+
+        self.slots, self.experts = slots, experts
+        self.block_m_gate_up, self.block_m_down = block_m_gate_up, block_m_down
+        self.chunks = max(1, -(-slots // CHUNK))
+        self.counts = cupy.empty(experts, np.int32)
+        self.offsets = cupy.empty(experts + 1, np.int32)
+        self.sorted_slots = cupy.empty(slots, np.int32)
+        self.slot_positions = cupy.empty(slots, np.int32)
+        self.tiles_gate_up = cupy.empty(experts + 1, np.int32)  # first m-tile of each expert
+        self.tiles_down = cupy.empty(experts + 1, np.int32)
+        self.chunk_starts = cupy.empty(experts * self.chunks, np.int32)
+        self.rank = cupy.empty(max(1, slots), np.int32)
+
+    def public(self, top_k: int) -> Dispatch:
+        return Dispatch(self.experts, top_k, self.counts, self.offsets, self.sorted_slots,
+                        self.slot_positions)
+
+
+def launch(ids, buffers: DispatchBuffers) -> None:
+    """Fill ``buffers`` from contiguous ids [T, k] (int32 or int64) on the current stream."""
+    b = buffers
+    id_type = "int" if ids.dtype == np.int32 else "long long"
+    device_id = ids.device.id
+
+    def kernel(name):
+        return _compile.kernel(SOURCE, name, NAMES, device_id)
+
+    slots, experts = np.int64(b.slots), np.int32(b.experts)
+    chunks = np.int32(b.chunks)
+    count = kernel(f"dispatch_count<{id_type}>")
+    counters_bytes = COUNT_WARPS * b.experts * 4
+    if count.max_dynamic_shared_size_bytes < counters_bytes:
+        count.max_dynamic_shared_size_bytes = counters_bytes
+    count((-(-b.chunks // COUNT_WARPS),), (32 * COUNT_WARPS,),
+          (ids, slots, experts, chunks, b.chunk_starts, b.rank), shared_mem=counters_bytes)
+    kernel("dispatch_scan")(
+        (1,), (SCAN_THREADS,),
+        (b.chunk_starts, chunks, experts, b.counts, b.offsets, np.int32(b.block_m_gate_up),
+         b.tiles_gate_up, np.int32(b.block_m_down), b.tiles_down))
+    if b.slots:
+        kernel(f"dispatch_scatter<{id_type}>")(
+            (-(-b.slots // SCATTER_THREADS),), (SCATTER_THREADS,),
+            (ids, slots, experts, chunks, b.chunk_starts, b.rank, b.offsets, b.sorted_slots,
+             b.slot_positions))
+
+
+def run(ids, experts: int) -> DispatchBuffers:
+    """Dispatch ``ids`` [T, k] into freshly allocated buffers (the public ``dispatch`` on the GPU)."""
+    tokens, top_k = ids.shape
+    buffers = DispatchBuffers(tokens * top_k, experts, 1, 1)
+    launch(ids, buffers)
+    return buffers

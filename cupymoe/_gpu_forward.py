@@ -1,0 +1,45 @@
+"""The GPU forward: dispatch -> gate/up GEMM (SwiGLU) -> down GEMM -> combine, on the current stream."""
+from __future__ import annotations
+
+from . import _checks, _compile, combine, experts
+from ._gpu_dispatch import DispatchBuffers, launch as launch_dispatch
+
+
+class Workspace:
+    """Everything one forward of a given Shape writes besides ``out``; reusable across calls."""
+
+    def __init__(self, shape: _checks.Shape, device_id: int):
+        import cupy
+
+        self.shape = shape
+        self.plan = experts.plan(shape.tokens, shape.top_k, shape.experts, shape.hidden,
+                                 shape.intermediate, _compile.compute_capability(device_id))
+        slots = shape.tokens * shape.top_k
+        self.dispatch = DispatchBuffers(slots, shape.experts, self.plan.gate_up.block_m,
+                                        self.plan.down.block_m)
+        self.h = cupy.empty((slots, shape.intermediate), shape.dtype)  # SwiGLU output, expert order
+        self.y = cupy.empty((slots, shape.hidden), shape.dtype)  # down projection, expert order
+
+
+def forward(a: dict, shape: _checks.Shape, workspace: Workspace, out, check_ids: bool):
+    """Run the layer on checked CuPy arrays ``a`` (x, w13, w2, topk_ids, topk_weights)."""
+    import cupy
+
+    if check_ids:
+        if cupy.cuda.get_current_stream().is_capturing():
+            raise ValueError("check_ids=True synchronises and cannot run in CUDA graph capture; "
+                             "pass check_ids=False")
+        _checks.check_ids_in_range(a["topk_ids"], shape.experts)
+    if out is None:
+        out = cupy.empty((shape.tokens, shape.hidden), shape.dtype)
+    if shape.tokens == 0:
+        return out
+    ids = cupy.ascontiguousarray(a["topk_ids"])
+    weights = cupy.ascontiguousarray(a["topk_weights"])
+    x = cupy.ascontiguousarray(a["x"])
+    ws = workspace
+    launch_dispatch(ids, ws.dispatch)
+    experts.gate_up(x, a["w13"], ws.dispatch, ws.h, shape, ws.plan.gate_up)
+    experts.down(ws.h, a["w2"], ws.dispatch, ws.y, shape, ws.plan.down)
+    combine.run(ws.y, ws.dispatch.slot_positions, weights, out, shape)
+    return out

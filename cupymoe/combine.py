@@ -1,0 +1,19 @@
+"""The atomic-free combine: each token's k expert outputs summed in a fixed order."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _checks, _compile
+
+SOURCE = "combine.cu"
+NAMES = ("combine<bf16>", "combine<f16>")
+MAX_THREADS = 512
+
+
+def run(y, slot_positions, topk_weights, out, shape) -> None:
+    """out[t] = sum_j topk_weights[t, j] * y[slot_positions[t * k + j]] (j ascending, fp32)."""
+    tag = "bf16" if shape.dtype == _checks.BFLOAT16 else "f16"
+    kernel = _compile.kernel(SOURCE, f"combine<{tag}>", NAMES, out.device.id)
+    threads = min(MAX_THREADS, shape.hidden // 8)
+    kernel((shape.tokens,), (threads,),
+           (y, slot_positions, topk_weights, np.int32(shape.top_k), np.int32(shape.hidden), out))

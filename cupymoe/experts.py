@@ -1,0 +1,133 @@
+"""The per-expert tensor-core GEMMs: gate/up with SwiGLU fused, then down. Tile shapes by problem size."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from . import _checks, _compile
+
+K_TILE = 64  # the kernels' BK; H and I are multiples of it
+MMA_SOURCE = "expert_gemm.cu"
+WGMMA_SOURCE = "expert_gemm_sm90.cu"
+WGMMA_COMPUTE_CAPABILITY = 90
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One instantiation of an expert GEMM kernel: block tile, warp grid, pipeline depth."""
+
+    block_m: int  # rows (slots) per block
+    block_n: int  # output columns per block (gate/up: of h, so 2 * block_n weight rows)
+    warps_m: int
+    warps_n: int
+    stages: int  # cp.async pipeline depth
+    wgmma: bool = False  # expert_gemm_sm90 (warpgroups of 4 warps along M) instead of mma.sync
+
+    @property
+    def source(self) -> str:
+        return WGMMA_SOURCE if self.wgmma else MMA_SOURCE
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    def shared_bytes(self, gated: bool) -> int:
+        weight_rows = 2 * self.block_n if gated else self.block_n
+        alignment_slack = 1024 if self.wgmma else 0  # the wgmma kernel aligns its stages to 1 KiB
+        return self.stages * (self.block_m + weight_rows) * K_TILE * 2 + alignment_slack
+
+    def name_expression(self, dtype, gated: bool) -> str:
+        tag = "bf16" if dtype == _checks.BFLOAT16 else "f16"
+        flag = "true" if gated else "false"
+        if self.wgmma:
+            return f"expert_gemm_sm90<{tag},{self.warps_m // 4},{self.stages},{flag}>"
+        return (f"expert_gemm<{tag},{self.block_m},{self.block_n},{self.warps_m},{self.warps_n},"
+                f"{self.stages},{flag}>")
+
+
+@dataclass(frozen=True)
+class Plan:
+    gate_up: GemmConfig
+    down: GemmConfig
+
+
+def _wgmma_plan(warpgroups: int, stages: int) -> Plan:
+    block_m, warps_m = 64 * warpgroups, 4 * warpgroups
+    return Plan(GemmConfig(block_m, 64, warps_m, 1, stages, True),
+                GemmConfig(block_m, 128, warps_m, 1, stages, True))
+
+
+# By the average number of slots per expert that has any: weight streaming dominates below a few
+# dozen rows (small block_m, deep pipeline), arithmetic above.
+_SMALL = Plan(GemmConfig(16, 64, 1, 4, 6), GemmConfig(16, 64, 1, 4, 6))
+_MEDIUM = Plan(GemmConfig(64, 64, 2, 2, 4), GemmConfig(64, 128, 2, 2, 4))
+_LARGE = Plan(GemmConfig(128, 64, 4, 2, 3), GemmConfig(128, 128, 4, 2, 3))
+_MEDIUM_SM90 = _wgmma_plan(1, 4)
+_LARGE_SM90 = _wgmma_plan(2, 3)
+_MMA_PLANS = ((16, _SMALL), (64, _MEDIUM), (None, _LARGE))
+
+
+def _fit(cfg: GemmConfig, fallback: GemmConfig, n_out: int) -> GemmConfig:
+    """A config whose block_n divides the output width (H and I are multiples of K_TILE)."""
+    if n_out % cfg.block_n == 0:
+        return cfg
+    if cfg.wgmma:
+        return _fit(fallback, fallback, n_out)
+    return replace(cfg, block_n=K_TILE)
+
+
+def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
+         compute_capability: int = 80) -> Plan:
+    """The GEMM configurations for T tokens routed to k of E experts at sizes H and I."""
+    slots = tokens * top_k
+    rows_per_expert = slots / max(1, min(experts, slots))
+    chosen = next(p for limit, p in _MMA_PLANS if limit is None or rows_per_expert <= limit)
+    if chosen is _LARGE and compute_capability == WGMMA_COMPUTE_CAPABILITY:
+        chosen = _LARGE_SM90
+    return Plan(_fit(chosen.gate_up, _LARGE.gate_up, intermediate),
+                _fit(chosen.down, _LARGE.down, hidden))
+
+
+def name_expressions(source: str, dtype) -> tuple:
+    """Every instantiation in ``source`` the plans can use for one dtype (one module each)."""
+    names = []
+    for p in (_SMALL, _MEDIUM, _LARGE, _MEDIUM_SM90, _LARGE_SM90):
+        for cfg, gated in ((p.gate_up, True), (p.down, False)):
+            for variant in (cfg, _fit(cfg, _LARGE.gate_up if gated else _LARGE.down, K_TILE)):
+                if variant.source == source:
+                    names.append(variant.name_expression(dtype, gated))
+    return tuple(dict.fromkeys(names))
+
+
+def max_m_tiles(slots: int, experts: int, block_m: int) -> int:
+    """An upper bound on sum_e ceil(count_e / block_m), known without reading the counts."""
+    return -(-slots // block_m) + min(experts, slots)
+
+
+def _launch(cfg: GemmConfig, gated: bool, dtype, device_id: int, a, sorted_slots, top_k, w, offsets,
+            tile_offsets, experts, n_out, k_dim, c, slots):
+    kernel = _compile.kernel(cfg.source, cfg.name_expression(dtype, gated),
+                             name_expressions(cfg.source, dtype), device_id)
+    smem = cfg.shared_bytes(gated)
+    if kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    grid = max_m_tiles(slots, experts, cfg.block_m) * (n_out // cfg.block_n)
+    kernel((grid,), (cfg.threads,),
+           (a, sorted_slots, np.int32(top_k), w, offsets, tile_offsets, np.int32(experts),
+            np.int32(n_out), np.int32(k_dim), c),
+           shared_mem=smem)
+
+
+def gate_up(x, w13, dispatch, h, shape, cfg: GemmConfig):
+    """h[p] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T) for each sorted slot p = (t, e)."""
+    _launch(cfg, True, shape.dtype, x.device.id, x, dispatch.sorted_slots, shape.top_k, w13,
+            dispatch.offsets, dispatch.tiles_gate_up, shape.experts, shape.intermediate,
+            shape.hidden, h, shape.tokens * shape.top_k)
+
+
+def down(h, w2, dispatch, y, shape, cfg: GemmConfig):
+    """y[p] = h[p] @ w2[e].T for each sorted slot p of expert e."""
+    _launch(cfg, False, shape.dtype, h.device.id, h, dispatch.sorted_slots, shape.top_k, w2,
+            dispatch.offsets, dispatch.tiles_down, shape.experts, shape.hidden,
+            shape.intermediate, y, shape.tokens * shape.top_k)

@@ -1,0 +1,97 @@
+// Per-expert GEMMs on mma.sync m16n8k16 tensor cores (fp32 accumulation): the portable path, sm_80+.
+// A block of WM x WN warps computes a BM x BN tile (expert_tiles.cuh says which, and what A, B, C are);
+// K streams through a STAGES-deep cp.async pipeline; fragments come from shared memory by ldmatrix.
+// GATED blocks keep gate and up accumulators for the same columns and write h = silu(gate) * up.
+#include "expert_tiles.cuh"
+
+template <class T, int BM, int BN, int WM, int WN, int STAGES, bool GATED>
+__global__ void __launch_bounds__(WM * WN * 32)
+expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+            const u16* __restrict__ w, const int* __restrict__ offsets,
+            const int* __restrict__ tile_offsets, int num_experts, int n_out, int k_dim,
+            u16* __restrict__ c) {
+  constexpr int THREADS = WM * WN * 32;
+  constexpr int WTM = BM / WM, WTN = BN / WN;
+  constexpr int MI = WTM / 16, NI = WTN / 8;
+  static_assert(MI >= 1 && NI >= 2 && NI % 2 == 0 && WTM % 16 == 0, "warp tile shape");
+  using F = Float16Traits<T>;
+  using Loader = TileLoader<BM, BN, THREADS, GATED>;
+
+  Tile tile;
+  if (!find_tile<BM, BN>(offsets, tile_offsets, num_experts, n_out, tile)) return;
+  const Loader loader(tile, a, sorted_slots, top_k, w, n_out, k_dim);
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const u32 s_a = smem_addr(smem);
+  const u32 s_b = s_a + STAGES * Loader::A_BYTES;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warp_m = warp % WM, warp_n = warp / WM;
+  float acc[MI][NI][4] = {};
+  float acc_up[GATED ? MI : 1][GATED ? NI : 1][4] = {};
+
+  const int k_tiles = k_dim / BK;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < k_tiles) loader.load(s_a + s * Loader::A_BYTES, s_b + s * Loader::B_BYTES, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    const int next = kt + STAGES - 1;
+    if (next < k_tiles) {
+      const int stage = next % STAGES;
+      loader.load(s_a + stage * Loader::A_BYTES, s_b + stage * Loader::B_BYTES, next);
+    }
+    cp_async_commit();
+
+    const u32 sa = s_a + (kt % STAGES) * Loader::A_BYTES;
+    const u32 sb = s_b + (kt % STAGES) * Loader::B_BYTES;
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      u32 af[MI][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+        ldmatrix_x4(af[mi], sa + swizzled_offset(warp_m * WTM + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+      for (int nj = 0; nj < NI / 2; ++nj) {
+        const int n_row = warp_n * WTN + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int chunk = kk * 2 + ((lane >> 3) & 1);
+        u32 bf[4];
+        ldmatrix_x4(bf, sb + swizzled_offset(n_row, chunk));
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          F::mma(acc[mi][2 * nj], af[mi], bf[0], bf[1]);
+          F::mma(acc[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
+        }
+        if constexpr (GATED) {
+          ldmatrix_x4(bf, sb + swizzled_offset(BN + n_row, chunk));
+#pragma unroll
+          for (int mi = 0; mi < MI; ++mi) {
+            F::mma(acc_up[mi][2 * nj], af[mi], bf[0], bf[1]);
+            F::mma(acc_up[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp_m * WTM + mi * 16 + (lane >> 2) + half * 8;
+      if (r >= tile.rows) continue;
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni) {
+        float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
+        if constexpr (GATED) {
+          v0 = silu(v0) * acc_up[mi][ni][2 * half];
+          v1 = silu(v1) * acc_up[mi][ni][2 * half + 1];
+        }
+        store_pair<T>(c, tile, r, n_out, warp_n * WTN + ni * 8 + (lane & 3) * 2, v0, v1);
+      }
+    }
+  }
+}

@@ -1,0 +1,58 @@
+"""Shared test helpers: random problems, an independent float64 oracle, error metrics."""
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def random_problem(rng, tokens, hidden, experts, inter, top_k, dtype=BF16, routing="uniform"):
+    """Return numpy (x, w13, w2, topk_ids int32, topk_weights float32) with distinct ids per token.
+
+    routing: "uniform" (distinct random experts), "one" (every token's first choice is expert 0),
+    "sparse" (only experts in the lower half are used, so some have no tokens).
+    """
+    x = rng.standard_normal((tokens, hidden), dtype=np.float32).astype(dtype)
+    w13 = (rng.standard_normal((experts, 2 * inter, hidden), dtype=np.float32) / np.sqrt(hidden)).astype(dtype)
+    w2 = (rng.standard_normal((experts, hidden, inter), dtype=np.float32) / np.sqrt(inter)).astype(dtype)
+    pool = experts if routing != "sparse" else max(top_k, experts // 2)
+    ids = np.argsort(rng.random((tokens, pool)), axis=1, kind="stable")[:, :top_k].astype(np.int32)
+    if routing == "one":
+        ids = np.argsort(rng.random((tokens, experts - 1)), axis=1)[:, : top_k - 1].astype(np.int32) + 1
+        ids = np.concatenate([np.zeros((tokens, 1), np.int32), ids], axis=1)
+    logits = rng.standard_normal((tokens, top_k)).astype(np.float32)
+    weights = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    return x, w13, w2, ids, weights.astype(np.float32)
+
+
+def oracle(x, w13, w2, topk_ids, topk_weights):
+    """float64 loop over tokens and slots, written independently of cupymoe.reference."""
+    x64 = x.astype(np.float64)
+    inter = w13.shape[1] // 2
+    out = np.zeros((x.shape[0], w2.shape[1]))
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            if e < 0 or e >= w13.shape[0]:
+                continue
+            w = w13[e].astype(np.float64)
+            g = w[:inter] @ x64[t]
+            u = w[inter:] @ x64[t]
+            h = g / (1.0 + np.exp(-g)) * u
+            out[t] += float(topk_weights[t, j]) * (w2[e].astype(np.float64) @ h)
+    return out
+
+
+def rel_l2(got, want):
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    denom = np.linalg.norm(want)
+    return float(np.linalg.norm(got - want) / (denom if denom > 0 else 1.0))
+
+
+def poison(a):
+    """Fill a bfloat16 or float16 array (NumPy or CuPy) with NaN in place and return it.
+
+    Writes the NaN bit pattern through a uint16 view, so it needs no float support for the dtype.
+    """
+    a.view(np.uint16).fill(0x7E00 if a.dtype == np.float16 else 0x7FC0)
+    return a

@@ -1,0 +1,56 @@
+"""Every kernel compiles through NVRTC for each target architecture, without a GPU, with no spills."""
+import re
+
+import pytest
+
+from cupymoe import _checks, _compile, _gpu_dispatch, _gpu_route, combine, experts
+
+pytest.importorskip("cupy")
+
+MODULES = [
+    (_gpu_dispatch.SOURCE, _gpu_dispatch.NAMES),
+    (combine.SOURCE, combine.NAMES),
+    (_gpu_route.SOURCE, _gpu_route.NAMES),
+    (experts.MMA_SOURCE, experts.name_expressions(experts.MMA_SOURCE, _checks.BFLOAT16)),
+    (experts.MMA_SOURCE, experts.name_expressions(experts.MMA_SOURCE, _checks.FLOAT16)),
+    (experts.WGMMA_SOURCE, experts.name_expressions(experts.WGMMA_SOURCE, _checks.BFLOAT16)),
+    (experts.WGMMA_SOURCE, experts.name_expressions(experts.WGMMA_SOURCE, _checks.FLOAT16)),
+]
+ARCHS = ["sm_90a", "sm_80"]
+
+
+def _nvrtc_available():
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+        return True
+    except Exception:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not installed")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("source,names", MODULES, ids=lambda v: v if isinstance(v, str) else "")
+def test_compiles_without_spills(source, names, arch):
+    report = _compile.ptxas_report(source, names, arch)
+    entries = re.findall(r"Compiling entry function '(\w+)'", report)
+    assert len(entries) == len(names), report
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert len(spills) == len(names), report
+    assert all(s == ("0", "0") for s in spills), report
+
+
+def test_sm90a_enables_wgmma_feature_macro():
+    assert _compile.arch_option(90) == "-arch=sm_90a"
+    assert _compile.arch_option(80) == "-arch=sm_80"
+    with pytest.raises(NotImplementedError, match="8.0"):
+        _compile.arch_option(75)
+
+
+def test_headers_are_inlined():
+    text = _compile.source(experts.MMA_SOURCE)
+    assert '#include "common.cuh"' not in text
+    assert "Float16Traits" in text

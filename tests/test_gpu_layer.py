@@ -1,0 +1,253 @@
+"""GPU tier for the layer: fused_experts and MoE on the GPU against the NumPy reference and the oracle.
+
+Every output buffer is filled with NaN before a run, so a row the kernels fail to write shows
+up as an error. Sizes are kept moderate so the file runs in well under a minute on one GPU.
+"""
+import os
+
+import numpy as np
+import pytest
+
+import cupymoe
+from cupymoe import reference
+from helpers import BF16, oracle, poison, random_problem, rel_l2
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+FP16 = np.dtype(np.float16)
+REF_TOL = 2e-3  # vs cupymoe.reference: same numerics, only the fp32 summation order differs
+ORACLE_TOL = 1e-2  # vs the float64 oracle: h and expert outputs are rounded to bf16/fp16
+ORACLE_TOKENS = 4  # the oracle is a Python loop: compare it on the first few tokens only
+SIZES = {8: (512, 256), 64: (256, 128), 256: (128, 64)}  # E -> (H, I): more experts, smaller ones
+EXPERTS_TOP_K = [(8, 1), (8, 2), (8, 8), (64, 1), (64, 2), (64, 8), (256, 1), (256, 2), (256, 8)]
+
+
+def gpu(*arrays):
+    """CuPy copies of host arrays, on the current stream."""
+    return tuple(cupy.asarray(a) for a in arrays)
+
+
+def bits(a):
+    """The raw 16-bit patterns of a CuPy bf16/fp16 array, on the host."""
+    return cupy.asnumpy(a).view(np.uint16)
+
+
+def run_fused(problem, args=None, **kwargs):
+    """fused_experts on ``args`` (default: GPU copies of the host ``problem``) into a NaN-filled out=."""
+    x = problem[0]
+    out = poison(cupy.empty(x.shape, x.dtype))
+    got = cupymoe.fused_experts(*(gpu(*problem) if args is None else args), out=out, **kwargs)
+    assert got is out
+    return got
+
+
+def check_close(got, problem):
+    """A GPU result against the reference on the host ``problem`` and, on its first rows, the oracle."""
+    x, w13, w2, ids, weights = problem
+    got = cupy.asnumpy(got)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    want = reference.fused_experts(x, w13, w2, ids, weights, np.empty_like(x))
+    assert rel_l2(got, want) < REF_TOL
+    n = ORACLE_TOKENS
+    assert rel_l2(got[:n], oracle(x[:n], w13, w2, ids[:n], weights[:n])) < ORACLE_TOL
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("experts,top_k", EXPERTS_TOP_K)
+@pytest.mark.parametrize("tokens", [0, 1, 3, 64, 1000])
+def test_matches_reference_and_is_deterministic(tokens, experts, top_k, dtype):
+    """fused_experts three times and MoE twice: all close to the reference and bitwise equal."""
+    hidden, inter = SIZES[experts]
+    rng = np.random.default_rng([tokens, experts, top_k, int(dtype == BF16)])
+    problem = random_problem(rng, tokens, hidden, experts, inter, top_k, dtype)
+    args = gpu(*problem)
+    runs = [run_fused(problem, args) for _ in range(3)]
+    check_close(runs[0], problem)
+
+    layer = cupymoe.MoE(args[1], args[2])
+    first = layer(args[0], args[3], args[4])
+    poison(first)
+    again = layer(args[0], args[3], args[4])
+    assert again.data.ptr == first.data.ptr  # the layer-owned output is reused for the same T
+    runs.append(again)
+    want = bits(runs[0])
+    for run in runs[1:]:
+        np.testing.assert_array_equal(bits(run), want)
+
+
+@pytest.mark.parametrize("hidden,inter", [(64, 64), (64, 512), (512, 64), (128, 256), (256, 128), (512, 512)])
+@pytest.mark.parametrize("tokens", [3, 200])
+def test_hidden_and_intermediate_sizes(tokens, hidden, inter):
+    problem = random_problem(np.random.default_rng([tokens, hidden, inter]), tokens, hidden, 8, inter, 2)
+    check_close(run_fused(problem), problem)
+
+
+@pytest.mark.parametrize("routing", ["one", "sparse"])
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (64, 8), (256, 8)])
+@pytest.mark.parametrize("tokens", [1, 64, 1000])
+def test_skewed_routing(tokens, experts, top_k, routing):
+    """Every token on expert 0 ("one"), or half the experts without tokens ("sparse")."""
+    hidden, inter = SIZES[experts]
+    rng = np.random.default_rng([tokens, experts, top_k, routing == "one"])
+    problem = random_problem(rng, tokens, hidden, experts, inter, top_k, routing=routing)
+    check_close(run_fused(problem), problem)
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (3, 8), (64, 8), (1000, 8)])
+def test_every_slot_on_one_expert(tokens, top_k):
+    """All k ids of every token are the same expert: repeated ids within a token count k times."""
+    rng = np.random.default_rng([tokens, top_k])
+    x, w13, w2, _, weights = random_problem(rng, tokens, 256, 64, 128, top_k)
+    problem = (x, w13, w2, np.full((tokens, top_k), 63, np.int32), weights)
+    check_close(run_fused(problem), problem)
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("tokens", [3, 64, 1000])
+def test_minus_one_ids(tokens, id_dtype):
+    """Slots with id -1 add nothing; a token whose ids are all -1 gets an exact zero row."""
+    rng = np.random.default_rng([tokens, np.dtype(id_dtype).itemsize])
+    x, w13, w2, ids, weights = random_problem(rng, tokens, 256, 64, 128, 8)
+    ids = np.where(rng.random(ids.shape) < 0.3, -1, ids).astype(id_dtype)
+    ids[0] = -1
+    problem = (x, w13, w2, ids, weights)
+    got = run_fused(problem)
+    check_close(got, problem)
+    assert (cupy.asnumpy(got[0]).astype(np.float32) == 0).all()
+
+
+@pytest.mark.parametrize("bad", [8, 300, -5, -2])
+def test_out_of_range_ids_raise(bad):
+    x, w13, w2, ids, weights = gpu(*random_problem(np.random.default_rng(0), 16, 128, 8, 64, 2))
+    ids[3, 1] = bad
+    with pytest.raises(ValueError, match="topk_ids"):
+        cupymoe.fused_experts(x, w13, w2, ids, weights)
+    with pytest.raises(ValueError, match="topk_ids"):
+        cupymoe.MoE(w13, w2)(x, ids, weights)
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_out_of_range_ids_unchecked_count_as_minus_one(id_dtype):
+    """With check_ids=False ids outside [-1, E) give the same bits as -1 ids (int64 ids are not truncated)."""
+    experts = 64
+    rng = np.random.default_rng(np.dtype(id_dtype).itemsize)
+    x, w13, w2, ids, weights = random_problem(rng, 300, 256, experts, 128, 8)
+    info = np.iinfo(id_dtype)
+    bad_values = [experts, 300, -5, -2, info.max, info.min]
+    if info.bits == 64:
+        bad_values += [2**33, -(2**40)]  # both would alias expert 0 if truncated to 32 bits
+    bad = rng.random(ids.shape) < 0.2
+    ids = ids.astype(id_dtype)
+    as_minus_one = np.where(bad, -1, ids).astype(id_dtype)
+    ids[bad] = rng.choice(bad_values, int(bad.sum()))
+    problem = (x, w13, w2, as_minus_one, weights)
+    got = run_fused((x, w13, w2, ids, weights), check_ids=False)
+    check_close(got, problem)
+    np.testing.assert_array_equal(bits(got), bits(run_fused(problem)))
+    layer = cupymoe.MoE(*gpu(w13, w2))
+    args = gpu(x, ids, weights)
+    np.testing.assert_array_equal(bits(layer(*args, check_ids=False)), bits(got))
+
+
+def test_zero_tokens():
+    x, w13, w2, ids, weights = gpu(*random_problem(np.random.default_rng(0), 0, 128, 8, 64, 2))
+    for out in (cupymoe.fused_experts(x, w13, w2, ids, weights), cupymoe.MoE(w13, w2)(x, ids, weights)):
+        assert isinstance(out, cupy.ndarray)
+        assert out.shape == (0, 128) and out.dtype == BF16
+
+
+def test_non_default_stream():
+    """Everything issued on a non-blocking stream gives the same bits as on the default stream."""
+    problem = random_problem(np.random.default_rng(0), 300, 256, 64, 128, 8)
+    want = bits(run_fused(problem))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        args = gpu(*problem)
+        checked = run_fused(problem, args)
+        layer = cupymoe.MoE(args[1], args[2])
+        unchecked = layer(args[0], args[3], args[4], out=poison(cupy.empty_like(args[0])), check_ids=False)
+    stream.synchronize()
+    np.testing.assert_array_equal(bits(checked), want)
+    np.testing.assert_array_equal(bits(unchecked), want)
+
+
+def test_cuda_graph_replay_sees_new_inputs():
+    """Capture MoE once, then replay it on new x, ids and weights copied into the same buffers."""
+    tokens, hidden, experts, inter, top_k = 64, 256, 64, 128, 8
+    problem = random_problem(np.random.default_rng(0), tokens, hidden, experts, inter, top_k)
+    w13, w2 = problem[1], problem[2]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        args = gpu(*problem)
+        x, ids, weights = args[0], args[3], args[4]
+        layer = cupymoe.MoE(args[1], args[2])
+        layer(x, ids, weights, check_ids=False)  # warm-up: compiles the kernels, allocates the workspace
+        stream.begin_capture()
+        out = layer(x, ids, weights, check_ids=False)
+        graph = stream.end_capture()
+        for seed, routing in ((1, "uniform"), (2, "one")):
+            new_x, _, _, new_ids, new_weights = random_problem(
+                np.random.default_rng(seed), tokens, hidden, experts, inter, top_k, routing=routing
+            )
+            x[...] = cupy.asarray(new_x)
+            ids[...] = cupy.asarray(new_ids)
+            weights[...] = cupy.asarray(new_weights)
+            poison(out)
+            graph.launch(stream)
+            stream.synchronize()
+            check_close(out, (new_x, w13, w2, new_ids, new_weights))
+
+
+def test_check_ids_refused_in_graph_capture():
+    """check_ids=True synchronises, so it must raise ValueError under capture instead of breaking it."""
+    x, w13, w2, ids, weights = gpu(*random_problem(np.random.default_rng(0), 16, 128, 8, 64, 2))
+    layer = cupymoe.MoE(w13, w2)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        layer(x, ids, weights, check_ids=False)
+        stream.begin_capture()
+        try:
+            with pytest.raises(ValueError, match="check_ids"):
+                layer(x, ids, weights)
+        finally:
+            stream.end_capture()
+
+
+def test_torch_inputs():
+    """torch CUDA tensors go in zero-copy; the CuPy result goes back to torch through DLPack."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    problem = random_problem(np.random.default_rng(0), 64, 256, 64, 128, 8)
+    x, w13, w2, ids, weights = problem
+
+    def to_bf16(a):
+        return torch.from_numpy(a.astype(np.float32)).to("cuda", torch.bfloat16)
+
+    args = (to_bf16(x), to_bf16(w13), to_bf16(w2),
+            torch.from_numpy(ids).cuda(), torch.from_numpy(weights).cuda())
+    torch.cuda.synchronize()
+    got = run_fused(problem, args)
+    check_close(got, problem)
+    layer = cupymoe.MoE(args[1], args[2])
+    np.testing.assert_array_equal(bits(layer(args[0], args[3].long(), args[4])), bits(got))
+    back = torch.from_dlpack(got)
+    assert back.is_cuda and back.dtype == torch.bfloat16 and tuple(back.shape) == x.shape
+
+
+def test_jax_inputs():
+    """JAX GPU arrays go in through DLPack; the CuPy result goes back to JAX the same way."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to CuPy
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("jax has no GPU backend")
+    problem = random_problem(np.random.default_rng(0), 64, 256, 64, 128, 8)
+    args = jax.block_until_ready(tuple(jax.device_put(jnp.asarray(a), device) for a in problem))
+    got = run_fused(problem, args)
+    check_close(got, problem)
+    back = jnp.from_dlpack(got)
+    assert back.dtype == jnp.bfloat16 and back.shape == problem[0].shape
