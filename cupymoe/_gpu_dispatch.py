@@ -8,11 +8,15 @@ from .dispatch import Dispatch
 
 SOURCE = "dispatch.cu"
 NAMES = ("dispatch_count<int>", "dispatch_count<long long>", "dispatch_scan",
-         "dispatch_scatter<int>", "dispatch_scatter<long long>")
-CHUNK = 256  # DISPATCH_CHUNK in dispatch.cu
+         "dispatch_scatter<int>", "dispatch_scatter<long long>",
+         "dispatch_fused<int>", "dispatch_fused<long long>")
+CHUNK = 512  # DISPATCH_CHUNK in dispatch.cu
 COUNT_WARPS = 4
 SCAN_THREADS = 1024
 SCATTER_THREADS = 256
+FUSED_WARPS = 8  # FUSED_WARPS in dispatch.cu
+FUSED_MAX_SLOTS = 4096  # up to here one block does all three steps (one launch instead of three)
+FUSED_MAX_SHARED = 160 * 1024
 
 
 class DispatchBuffers:
@@ -38,29 +42,38 @@ class DispatchBuffers:
                         self.slot_positions)
 
 
+def _kernel(name: str, device_id: int, shared_bytes: int):
+    kernel = _compile.kernel(SOURCE, name, NAMES, device_id)
+    if kernel.max_dynamic_shared_size_bytes < shared_bytes:
+        kernel.max_dynamic_shared_size_bytes = shared_bytes
+    return kernel
+
+
 def launch(ids, buffers: DispatchBuffers) -> None:
     """Fill ``buffers`` from contiguous ids [T, k] (int32 or int64) on the current stream."""
     b = buffers
     id_type = "int" if ids.dtype == np.int32 else "long long"
     device_id = ids.device.id
-
-    def kernel(name):
-        return _compile.kernel(SOURCE, name, NAMES, device_id)
-
     slots, experts = np.int64(b.slots), np.int32(b.experts)
+    fused_bytes = 2 * FUSED_WARPS * b.experts * 4
+    if b.slots <= FUSED_MAX_SLOTS and fused_bytes <= FUSED_MAX_SHARED:
+        _kernel(f"dispatch_fused<{id_type}>", device_id, fused_bytes)(
+            (1,), (32 * FUSED_WARPS,),
+            (ids, slots, experts, b.counts, b.offsets, np.int32(b.block_m_gate_up), b.tiles_gate_up,
+             np.int32(b.block_m_down), b.tiles_down, b.rank, b.sorted_slots, b.slot_positions),
+            shared_mem=fused_bytes)
+        return
     chunks = np.int32(b.chunks)
-    count = kernel(f"dispatch_count<{id_type}>")
     counters_bytes = COUNT_WARPS * b.experts * 4
-    if count.max_dynamic_shared_size_bytes < counters_bytes:
-        count.max_dynamic_shared_size_bytes = counters_bytes
-    count((-(-b.chunks // COUNT_WARPS),), (32 * COUNT_WARPS,),
-          (ids, slots, experts, chunks, b.chunk_starts, b.rank), shared_mem=counters_bytes)
-    kernel("dispatch_scan")(
+    _kernel(f"dispatch_count<{id_type}>", device_id, counters_bytes)(
+        (-(-b.chunks // COUNT_WARPS),), (32 * COUNT_WARPS,),
+        (ids, slots, experts, chunks, b.chunk_starts, b.rank), shared_mem=counters_bytes)
+    _kernel("dispatch_scan", device_id, 0)(
         (1,), (SCAN_THREADS,),
         (b.chunk_starts, chunks, experts, b.counts, b.offsets, np.int32(b.block_m_gate_up),
          b.tiles_gate_up, np.int32(b.block_m_down), b.tiles_down))
     if b.slots:
-        kernel(f"dispatch_scatter<{id_type}>")(
+        _kernel(f"dispatch_scatter<{id_type}>", device_id, 0)(
             (-(-b.slots // SCATTER_THREADS),), (SCATTER_THREADS,),
             (ids, slots, experts, chunks, b.chunk_starts, b.rank, b.offsets, b.sorted_slots,
              b.slot_positions))

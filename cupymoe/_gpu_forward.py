@@ -15,10 +15,18 @@ class Workspace:
         self.plan = experts.plan(shape.tokens, shape.top_k, shape.experts, shape.hidden,
                                  shape.intermediate, _compile.compute_capability(device_id))
         slots = shape.tokens * shape.top_k
-        self.dispatch = DispatchBuffers(slots, shape.experts, self.plan.gate_up.block_m,
-                                        self.plan.down.block_m)
-        self.h = cupy.empty((slots, shape.intermediate), shape.dtype)  # SwiGLU output, expert order
-        self.y = cupy.empty((slots, shape.hidden), shape.dtype)  # down projection, expert order
+        try:
+            self.dispatch = DispatchBuffers(slots, shape.experts, self.plan.gate_up.block_m,
+                                            self.plan.down.block_m)
+            self.h = cupy.empty((slots, shape.intermediate), shape.dtype)  # SwiGLU output, expert order
+            self.y = cupy.empty((slots, shape.hidden), shape.dtype)  # down projection, expert order
+        except cupy.cuda.memory.OutOfMemoryError as err:
+            need = slots * (shape.intermediate + shape.hidden) * shape.dtype.itemsize
+            raise MemoryError(
+                f"cupymoe: the workspace for T={shape.tokens}, k={shape.top_k}, H={shape.hidden}, "
+                f"I={shape.intermediate} needs about {need / 2**30:.1f} GiB of GPU memory, which "
+                f"could not be allocated; nothing was written. Split the batch. ({err})"
+            ) from err
 
 
 def forward(a: dict, shape: _checks.Shape, workspace: Workspace, out, check_ids: bool):

@@ -59,13 +59,14 @@ def _wgmma_plan(warpgroups: int, stages: int) -> Plan:
 
 
 # By the average number of slots per expert that has any: weight streaming dominates below a few
-# dozen rows (small block_m, deep pipeline), arithmetic above.
+# dozen rows (small block_m, deep pipeline), arithmetic above (wgmma where the GPU has it).
 _SMALL = Plan(GemmConfig(16, 64, 1, 4, 6), GemmConfig(16, 64, 1, 4, 6))
 _MEDIUM = Plan(GemmConfig(64, 64, 2, 2, 4), GemmConfig(64, 128, 2, 2, 4))
 _LARGE = Plan(GemmConfig(128, 64, 4, 2, 3), GemmConfig(128, 128, 4, 2, 3))
-_MEDIUM_SM90 = _wgmma_plan(1, 4)
 _LARGE_SM90 = _wgmma_plan(2, 3)
-_MMA_PLANS = ((16, _SMALL), (64, _MEDIUM), (None, _LARGE))
+SMALL_ROWS = 12
+MEDIUM_ROWS = 64
+MEDIUM_ROWS_SM90 = 48  # the wgmma tiles already win at 64 rows per expert (benchmarks/NOTES.md)
 
 
 def _fit(cfg: GemmConfig, fallback: GemmConfig, n_out: int) -> GemmConfig:
@@ -82,9 +83,13 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     """The GEMM configurations for T tokens routed to k of E experts at sizes H and I."""
     slots = tokens * top_k
     rows_per_expert = slots / max(1, min(experts, slots))
-    chosen = next(p for limit, p in _MMA_PLANS if limit is None or rows_per_expert <= limit)
-    if chosen is _LARGE and compute_capability == WGMMA_COMPUTE_CAPABILITY:
-        chosen = _LARGE_SM90
+    sm90 = compute_capability == WGMMA_COMPUTE_CAPABILITY
+    if rows_per_expert <= SMALL_ROWS:
+        chosen = _SMALL
+    elif rows_per_expert <= (MEDIUM_ROWS_SM90 if sm90 else MEDIUM_ROWS):
+        chosen = _MEDIUM
+    else:
+        chosen = _LARGE_SM90 if sm90 else _LARGE
     return Plan(_fit(chosen.gate_up, _LARGE.gate_up, intermediate),
                 _fit(chosen.down, _LARGE.down, hidden))
 
@@ -92,7 +97,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
 def name_expressions(source: str, dtype) -> tuple:
     """Every instantiation in ``source`` the plans can use for one dtype (one module each)."""
     names = []
-    for p in (_SMALL, _MEDIUM, _LARGE, _MEDIUM_SM90, _LARGE_SM90):
+    for p in (_SMALL, _MEDIUM, _LARGE, _LARGE_SM90):
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
             for variant in (cfg, _fit(cfg, _LARGE.gate_up if gated else _LARGE.down, K_TILE)):
                 if variant.source == source:

@@ -1,14 +1,16 @@
 // Dispatch: group the S = T * k routed slots by expert without timing-dependent order.
-//   1. count:   each warp owns a chunk of slots; it counts them per expert and gives each slot
-//               its rank among the chunk's earlier slots of the same expert.
-//   2. scan:    one block turns the expert-major [E][chunks] counts into start positions, and
-//               derives per-expert offsets and the GEMMs' m-tile maps.
-//   3. scatter: position = start[expert][chunk] + rank, so equal experts keep slot order.
+//   count:   each warp owns a chunk of slots; it counts them per expert and gives each slot its rank
+//            among the chunk's earlier slots of the same expert.
+//   scan:    the expert-major [E][chunks] counts become start positions (one exclusive scan), from
+//            which come the per-expert offsets and the GEMMs' m-tile maps.
+//   scatter: position = start[expert][chunk] + rank, so slots of one expert keep their order.
+// Large S runs the three steps as three kernels; small S runs them in one block (dispatch_fused).
 // Ids outside [0, E) are treated as "no expert" and dropped.
 #include "common.cuh"
 
-constexpr int DISPATCH_CHUNK = 256;  // slots per warp in count
+constexpr int DISPATCH_CHUNK = 512;  // slots per warp in dispatch_count
 constexpr int SCAN_THREADS = 1024;
+constexpr int FUSED_WARPS = 8;
 
 template <class IdT>
 __device__ __forceinline__ int expert_of(const IdT* ids, long long slot, int num_experts) {
@@ -16,70 +18,70 @@ __device__ __forceinline__ int expert_of(const IdT* ids, long long slot, int num
   return (id >= 0 && id < num_experts) ? int(id) : -1;
 }
 
-// Block of COUNT_WARPS warps; dynamic shared memory: COUNT_WARPS * num_experts ints.
+// One warp counts slots [begin, end) into counters[E] (zeroed here) and writes each slot's rank.
 template <class IdT>
-__global__ void dispatch_count(const IdT* __restrict__ ids, long long num_slots, int num_experts,
-                               int num_chunks, int* __restrict__ chunk_counts, int* __restrict__ rank) {
-  extern __shared__ int counters[];
+__device__ void count_chunk(const IdT* ids, long long begin, long long end, int num_experts,
+                            int* counters, int* rank) {
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  int* mine = counters + warp * num_experts;
-  for (int e = lane; e < num_experts; e += 32) mine[e] = 0;
+  for (int e = lane; e < num_experts; e += 32) counters[e] = 0;
   __syncwarp();
-  const int chunk = blockIdx.x * (blockDim.x >> 5) + warp;
-  if (chunk >= num_chunks) return;
-  const long long begin = (long long)chunk * DISPATCH_CHUNK;
-  const long long end = min(begin + DISPATCH_CHUNK, num_slots);
   const u32 lanes_below = (1u << lane) - 1;
   for (long long base = begin; base < end; base += 32) {
     const long long slot = base + lane;
     const int e = slot < end ? expert_of(ids, slot, num_experts) : -1;
     const u32 peers = __match_any_sync(0xffffffffu, e);
     int before = 0;
-    if (e >= 0) before = mine[e];
+    if (e >= 0) before = counters[e];
     __syncwarp();
     if (e >= 0) {
-      if ((peers & lanes_below) == 0) mine[e] = before + __popc(peers);
+      if ((peers & lanes_below) == 0) counters[e] = before + __popc(peers);
       rank[slot] = before + __popc(peers & lanes_below);
     }
     __syncwarp();
   }
-  for (int e = lane; e < num_experts; e += 32) chunk_counts[(long long)e * num_chunks + chunk] = mine[e];
 }
 
-// In-place exclusive scan of data[0, n) by the whole block; returns the total to every thread.
+// In-place exclusive scan of data[0, n) (global or shared) by the whole block; returns the total.
+// Tiles of blockDim * 8 values: each thread scans 8 consecutive values, then the block combines.
 __device__ int block_exclusive_scan(int* data, long long n, int* warp_sums) {
+  constexpr int ITEMS = 8;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const long long per = (n + blockDim.x - 1) / blockDim.x;
-  const long long begin = min(n, (long long)threadIdx.x * per);
-  const long long end = min(n, begin + per);
-  int own = 0;
-  for (long long i = begin; i < end; ++i) own += data[i];
-  int inclusive = own;
-  for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += v;
-  }
-  if (lane == 31) warp_sums[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < warps ? warp_sums[lane] : 0;
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, w, d);
-      if (lane >= d) w += v;
+  int carry = 0;
+  for (long long tile = 0; tile < n; tile += (long long)blockDim.x * ITEMS) {
+    const long long first = tile + (long long)threadIdx.x * ITEMS;
+    int v[ITEMS];
+    int own = 0;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      v[i] = first + i < n ? data[first + i] : 0;
+      own += v[i];
     }
-    warp_sums[lane] = w;
+    int inclusive = own;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += up;
+    }
+    if (lane == 31) warp_sums[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+      int w = lane < warps ? warp_sums[lane] : 0;
+      for (int d = 1; d < 32; d <<= 1) {
+        const int up = __shfl_up_sync(0xffffffffu, w, d);
+        if (lane >= d) w += up;
+      }
+      warp_sums[lane] = w;
+    }
+    __syncthreads();
+    int running = carry + inclusive - own + (warp > 0 ? warp_sums[warp - 1] : 0);
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (first + i < n) data[first + i] = running;
+      running += v[i];
+    }
+    carry += warp_sums[warps - 1];
+    __syncthreads();
   }
-  __syncthreads();
-  int running = inclusive - own + (warp > 0 ? warp_sums[warp - 1] : 0);
-  const int total = warp_sums[warps - 1];
-  for (long long i = begin; i < end; ++i) {
-    const int v = data[i];
-    data[i] = running;
-    running += v;
-  }
-  __syncthreads();
-  return total;
+  return carry;
 }
 
 // Writes m-tile counts of block_m rows per expert, then scans them: tiles[e] = first tile of e.
@@ -90,19 +92,56 @@ __device__ void tile_map(const int* offsets, int num_experts, int block_m, int* 
   block_exclusive_scan(tiles, num_experts + 1, warp_sums);
 }
 
-// One block of SCAN_THREADS. chunk_starts holds the counts on entry and the start positions on exit.
+// Scans the expert-major counts in starts into start positions and derives offsets, counts, tile maps.
+__device__ void scan_starts(int* starts, int num_chunks, int num_experts, int* counts, int* offsets,
+                            int block_m_a, int* tiles_a, int block_m_b, int* tiles_b, int* warp_sums) {
+  const int total = block_exclusive_scan(starts, (long long)num_experts * num_chunks, warp_sums);
+  for (int e = threadIdx.x; e <= num_experts; e += blockDim.x)
+    offsets[e] = e < num_experts ? starts[(long long)e * num_chunks] : total;
+  __syncthreads();
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = offsets[e + 1] - offsets[e];
+  tile_map(offsets, num_experts, block_m_a, tiles_a, warp_sums);
+  tile_map(offsets, num_experts, block_m_b, tiles_b, warp_sums);
+}
+
+template <class IdT>
+__device__ __forceinline__ void scatter_slot(const IdT* ids, long long slot, long long chunk_size,
+                                             int num_experts, int num_chunks, const int* starts,
+                                             const int* rank, int valid_slots, int* sorted_slots,
+                                             int* slot_positions) {
+  const int e = expert_of(ids, slot, num_experts);
+  int pos = -1;
+  if (e >= 0) {
+    pos = starts[(long long)e * num_chunks + slot / chunk_size] + rank[slot];
+    sorted_slots[pos] = int(slot);
+  }
+  slot_positions[slot] = pos;
+  if (slot >= valid_slots) sorted_slots[slot] = -1;
+}
+
+// Blocks of warps, one chunk each; dynamic shared memory: warps * num_experts ints.
+template <class IdT>
+__global__ void dispatch_count(const IdT* __restrict__ ids, long long num_slots, int num_experts,
+                               int num_chunks, int* __restrict__ chunk_counts, int* __restrict__ rank) {
+  extern __shared__ int counters[];
+  const int warp = threadIdx.x >> 5;
+  const int chunk = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (chunk >= num_chunks) return;
+  int* mine = counters + warp * num_experts;
+  const long long begin = (long long)chunk * DISPATCH_CHUNK;
+  count_chunk(ids, begin, min(begin + DISPATCH_CHUNK, num_slots), num_experts, mine, rank);
+  for (int e = threadIdx.x & 31; e < num_experts; e += 32)
+    chunk_counts[(long long)e * num_chunks + chunk] = mine[e];
+}
+
+// One block of SCAN_THREADS; chunk_starts holds the counts on entry and the start positions on exit.
 __global__ void __launch_bounds__(SCAN_THREADS)
 dispatch_scan(int* __restrict__ chunk_starts, int num_chunks, int num_experts, int* __restrict__ counts,
               int* __restrict__ offsets, int block_m_a, int* __restrict__ tiles_a, int block_m_b,
               int* __restrict__ tiles_b) {
   __shared__ int warp_sums[32];
-  const int total = block_exclusive_scan(chunk_starts, (long long)num_experts * num_chunks, warp_sums);
-  for (int e = threadIdx.x; e <= num_experts; e += blockDim.x)
-    offsets[e] = e < num_experts ? chunk_starts[(long long)e * num_chunks] : total;
-  __syncthreads();
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = offsets[e + 1] - offsets[e];
-  tile_map(offsets, num_experts, block_m_a, tiles_a, warp_sums);
-  tile_map(offsets, num_experts, block_m_b, tiles_b, warp_sums);
+  scan_starts(chunk_starts, num_chunks, num_experts, counts, offsets, block_m_a, tiles_a, block_m_b,
+              tiles_b, warp_sums);
 }
 
 template <class IdT>
@@ -112,12 +151,35 @@ __global__ void dispatch_scatter(const IdT* __restrict__ ids, long long num_slot
                                  int* __restrict__ sorted_slots, int* __restrict__ slot_positions) {
   const long long slot = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (slot >= num_slots) return;
-  const int e = expert_of(ids, slot, num_experts);
-  int pos = -1;
-  if (e >= 0) {
-    pos = chunk_starts[(long long)e * num_chunks + slot / DISPATCH_CHUNK] + rank[slot];
-    sorted_slots[pos] = int(slot);
-  }
-  slot_positions[slot] = pos;
-  if (slot >= offsets[num_experts]) sorted_slots[slot] = -1;
+  scatter_slot(ids, slot, DISPATCH_CHUNK, num_experts, num_chunks, chunk_starts, rank,
+               offsets[num_experts], sorted_slots, slot_positions);
+}
+
+// All three steps in one block of FUSED_WARPS warps, for small S (one launch instead of three).
+// Dynamic shared memory: 2 * FUSED_WARPS * num_experts ints (per-warp counters, then starts).
+template <class IdT>
+__global__ void __launch_bounds__(FUSED_WARPS * 32)
+dispatch_fused(const IdT* __restrict__ ids, long long num_slots, int num_experts, int* __restrict__ counts,
+               int* __restrict__ offsets, int block_m_a, int* __restrict__ tiles_a, int block_m_b,
+               int* __restrict__ tiles_b, int* __restrict__ rank, int* __restrict__ sorted_slots,
+               int* __restrict__ slot_positions) {
+  extern __shared__ int shared[];
+  __shared__ int warp_sums[32];
+  int* counters = shared;                               // [warp][expert]
+  int* starts = shared + FUSED_WARPS * num_experts;     // [expert][warp]
+  const int warp = threadIdx.x >> 5;
+  const long long chunk_size = ((num_slots + FUSED_WARPS * 32 - 1) / (FUSED_WARPS * 32)) * 32;
+  const long long begin = warp * chunk_size;
+  count_chunk(ids, min(begin, num_slots), min(begin + chunk_size, num_slots), num_experts,
+              counters + warp * num_experts, rank);
+  __syncthreads();
+  for (int i = threadIdx.x; i < FUSED_WARPS * num_experts; i += blockDim.x)
+    starts[(i % num_experts) * FUSED_WARPS + i / num_experts] = counters[i];
+  __syncthreads();
+  scan_starts(starts, FUSED_WARPS, num_experts, counts, offsets, block_m_a, tiles_a, block_m_b, tiles_b,
+              warp_sums);
+  const int valid_slots = offsets[num_experts];
+  for (long long slot = threadIdx.x; slot < num_slots; slot += blockDim.x)
+    scatter_slot(ids, slot, chunk_size, num_experts, FUSED_WARPS, starts, rank, valid_slots,
+                 sorted_slots, slot_positions);
 }

@@ -27,17 +27,20 @@ expert_gemm_sm90(const u16* __restrict__ a, const int* __restrict__ sorted_slots
   const int warpgroup = threadIdx.x >> 7;
   float acc[64] = {};
 
+  constexpr int AHEAD = STAGES - 1;  // k-tiles loaded ahead of the one being multiplied
   const int k_tiles = k_dim / BK;
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
+  for (int s = 0; s < AHEAD; ++s) {
     if (s < k_tiles) loader.load(s_a + s * Loader::A_BYTES, s_b + s * Loader::B_BYTES, s);
     cp_async_commit();
   }
   for (int kt = 0; kt < k_tiles; ++kt) {
-    cp_async_wait<STAGES - 2>();
+    cp_async_wait<AHEAD - 1>();
     fence_proxy_async();
-    __syncthreads();  // stage kt landed for all threads; every wgmma on stage kt - 1 has retired
-    const int next = kt + STAGES - 1;
+    // Stage kt landed for all threads, and every wgmma on the stage refilled below has retired
+    // (keeping one wgmma batch in flight across this barrier measured slower: benchmarks/NOTES.md).
+    __syncthreads();
+    const int next = kt + AHEAD;
     if (next < k_tiles) {
       const int stage = next % STAGES;
       loader.load(s_a + stage * Loader::A_BYTES, s_b + stage * Loader::B_BYTES, next);
