@@ -56,3 +56,17 @@ def poison(a):
     """
     a.view(np.uint16).fill(0x7E00 if a.dtype == np.float16 else 0x7FC0)
     return a
+
+
+def to_gpu(*arrays):
+    """CuPy copies of host arrays, on the current device and stream."""
+    import cupy
+
+    return tuple(cupy.asarray(a) for a in arrays)
+
+
+def host_bits(a):
+    """The raw 16-bit patterns of a CuPy bf16/fp16 array, on the host."""
+    import cupy
+
+    return cupy.asnumpy(a).view(np.uint16)

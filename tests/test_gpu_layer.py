@@ -10,7 +10,7 @@ import pytest
 
 import cupymoe
 from cupymoe import reference
-from helpers import BF16, oracle, poison, random_problem, rel_l2
+from helpers import BF16, host_bits, oracle, poison, random_problem, rel_l2, to_gpu
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -23,21 +23,11 @@ SIZES = {8: (512, 256), 64: (256, 128), 256: (128, 64)}  # E -> (H, I): more exp
 EXPERTS_TOP_K = [(8, 1), (8, 2), (8, 8), (64, 1), (64, 2), (64, 8), (256, 1), (256, 2), (256, 8)]
 
 
-def gpu(*arrays):
-    """CuPy copies of host arrays, on the current stream."""
-    return tuple(cupy.asarray(a) for a in arrays)
-
-
-def bits(a):
-    """The raw 16-bit patterns of a CuPy bf16/fp16 array, on the host."""
-    return cupy.asnumpy(a).view(np.uint16)
-
-
 def run_fused(problem, args=None, **kwargs):
     """fused_experts on ``args`` (default: GPU copies of the host ``problem``) into a NaN-filled out=."""
     x = problem[0]
     out = poison(cupy.empty(x.shape, x.dtype))
-    got = cupymoe.fused_experts(*(gpu(*problem) if args is None else args), out=out, **kwargs)
+    got = cupymoe.fused_experts(*(to_gpu(*problem) if args is None else args), out=out, **kwargs)
     assert got is out
     return got
 
@@ -61,7 +51,7 @@ def test_matches_reference_and_is_deterministic(tokens, experts, top_k, dtype):
     hidden, inter = SIZES[experts]
     rng = np.random.default_rng([tokens, experts, top_k, int(dtype == BF16)])
     problem = random_problem(rng, tokens, hidden, experts, inter, top_k, dtype)
-    args = gpu(*problem)
+    args = to_gpu(*problem)
     runs = [run_fused(problem, args) for _ in range(3)]
     check_close(runs[0], problem)
 
@@ -71,9 +61,9 @@ def test_matches_reference_and_is_deterministic(tokens, experts, top_k, dtype):
     again = layer(args[0], args[3], args[4])
     assert again.data.ptr == first.data.ptr  # the layer-owned output is reused for the same T
     runs.append(again)
-    want = bits(runs[0])
+    want = host_bits(runs[0])
     for run in runs[1:]:
-        np.testing.assert_array_equal(bits(run), want)
+        np.testing.assert_array_equal(host_bits(run), want)
 
 
 @pytest.mark.parametrize("hidden,inter", [(64, 64), (64, 512), (512, 64), (128, 256), (256, 128), (512, 512)])
@@ -119,7 +109,7 @@ def test_minus_one_ids(tokens, id_dtype):
 
 @pytest.mark.parametrize("bad", [8, 300, -5, -2])
 def test_out_of_range_ids_raise(bad):
-    x, w13, w2, ids, weights = gpu(*random_problem(np.random.default_rng(0), 16, 128, 8, 64, 2))
+    x, w13, w2, ids, weights = to_gpu(*random_problem(np.random.default_rng(0), 16, 128, 8, 64, 2))
     ids[3, 1] = bad
     with pytest.raises(ValueError, match="topk_ids"):
         cupymoe.fused_experts(x, w13, w2, ids, weights)
@@ -144,14 +134,14 @@ def test_out_of_range_ids_unchecked_count_as_minus_one(id_dtype):
     problem = (x, w13, w2, as_minus_one, weights)
     got = run_fused((x, w13, w2, ids, weights), check_ids=False)
     check_close(got, problem)
-    np.testing.assert_array_equal(bits(got), bits(run_fused(problem)))
-    layer = cupymoe.MoE(*gpu(w13, w2))
-    args = gpu(x, ids, weights)
-    np.testing.assert_array_equal(bits(layer(*args, check_ids=False)), bits(got))
+    np.testing.assert_array_equal(host_bits(got), host_bits(run_fused(problem)))
+    layer = cupymoe.MoE(*to_gpu(w13, w2))
+    args = to_gpu(x, ids, weights)
+    np.testing.assert_array_equal(host_bits(layer(*args, check_ids=False)), host_bits(got))
 
 
 def test_zero_tokens():
-    x, w13, w2, ids, weights = gpu(*random_problem(np.random.default_rng(0), 0, 128, 8, 64, 2))
+    x, w13, w2, ids, weights = to_gpu(*random_problem(np.random.default_rng(0), 0, 128, 8, 64, 2))
     for out in (cupymoe.fused_experts(x, w13, w2, ids, weights), cupymoe.MoE(w13, w2)(x, ids, weights)):
         assert isinstance(out, cupy.ndarray)
         assert out.shape == (0, 128) and out.dtype == BF16
@@ -160,16 +150,16 @@ def test_zero_tokens():
 def test_non_default_stream():
     """Everything issued on a non-blocking stream gives the same bits as on the default stream."""
     problem = random_problem(np.random.default_rng(0), 300, 256, 64, 128, 8)
-    want = bits(run_fused(problem))
+    want = host_bits(run_fused(problem))
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        args = gpu(*problem)
+        args = to_gpu(*problem)
         checked = run_fused(problem, args)
         layer = cupymoe.MoE(args[1], args[2])
         unchecked = layer(args[0], args[3], args[4], out=poison(cupy.empty_like(args[0])), check_ids=False)
     stream.synchronize()
-    np.testing.assert_array_equal(bits(checked), want)
-    np.testing.assert_array_equal(bits(unchecked), want)
+    np.testing.assert_array_equal(host_bits(checked), want)
+    np.testing.assert_array_equal(host_bits(unchecked), want)
 
 
 def test_cuda_graph_replay_sees_new_inputs():
@@ -179,7 +169,7 @@ def test_cuda_graph_replay_sees_new_inputs():
     w13, w2 = problem[1], problem[2]
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        args = gpu(*problem)
+        args = to_gpu(*problem)
         x, ids, weights = args[0], args[3], args[4]
         layer = cupymoe.MoE(args[1], args[2])
         layer(x, ids, weights, check_ids=False)  # warm-up: compiles the kernels, allocates the workspace
@@ -201,7 +191,7 @@ def test_cuda_graph_replay_sees_new_inputs():
 
 def test_check_ids_refused_in_graph_capture():
     """check_ids=True synchronises, so it must raise ValueError under capture instead of breaking it."""
-    x, w13, w2, ids, weights = gpu(*random_problem(np.random.default_rng(0), 16, 128, 8, 64, 2))
+    x, w13, w2, ids, weights = to_gpu(*random_problem(np.random.default_rng(0), 16, 128, 8, 64, 2))
     layer = cupymoe.MoE(w13, w2)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
@@ -231,7 +221,7 @@ def test_torch_inputs():
     got = run_fused(problem, args)
     check_close(got, problem)
     layer = cupymoe.MoE(args[1], args[2])
-    np.testing.assert_array_equal(bits(layer(args[0], args[3].long(), args[4])), bits(got))
+    np.testing.assert_array_equal(host_bits(layer(args[0], args[3].long(), args[4])), host_bits(got))
     back = torch.from_dlpack(got)
     assert back.is_cuda and back.dtype == torch.bfloat16 and tuple(back.shape) == x.shape
 

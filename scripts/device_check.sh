@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On a GPU machine: install cupymoe, run the GPU test tier, the examples and the benchmark suite.
+# Logs, the suite's JSON and its plot go to $OUT (default /tmp/cupymoe-device). One call does it all.
+set -uo pipefail
+out="${OUT:-/tmp/cupymoe-device}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+python3 -m pip install --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 || { tail "$out/pip.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+
+echo "== GPU tests"
+python3 -m pytest -q tests -m gpu -p no:cacheprovider --durations=8 >"$out/pytest-gpu.log" 2>&1
+tests_rc=$?
+tail -n 20 "$out/pytest-gpu.log"
+
+echo "== examples"
+for example in quickstart torch_interop jax_interop; do
+  echo "-- $example"
+  python3 "examples/$example.py" 2>&1 | tail -n 4
+done | tee "$out/examples.log"
+
+echo "== benchmark suite"
+python3 benchmarks/suite.py --out "$out" >"$out/suite.log" 2>&1
+bench_rc=$?
+grep -v '^\[' "$out/suite.log" | tail -n 30
+
+echo "== exit codes: tests $tests_rc, suite $bench_rc"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
