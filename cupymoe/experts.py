@@ -61,10 +61,12 @@ def _wgmma_plan(warpgroups: int, stages: int) -> Plan:
 # By the average number of slots per expert that has any: weight streaming dominates below a few
 # dozen rows (small block_m, deep pipeline), arithmetic above (wgmma where the GPU has it).
 _SMALL = Plan(GemmConfig(16, 64, 1, 4, 6), GemmConfig(16, 64, 1, 4, 6))
+_MEDIUM_32 = Plan(GemmConfig(32, 64, 2, 2, 5), GemmConfig(32, 128, 1, 4, 5))
 _MEDIUM = Plan(GemmConfig(64, 64, 2, 2, 4), GemmConfig(64, 128, 2, 2, 4))
 _LARGE = Plan(GemmConfig(128, 64, 4, 2, 3), GemmConfig(128, 128, 4, 2, 3))
 _LARGE_SM90 = _wgmma_plan(2, 3)
 SMALL_ROWS = 12
+MEDIUM_32_ROWS = 24
 MEDIUM_ROWS = 64
 MEDIUM_ROWS_SM90 = 48  # the wgmma tiles already win at 64 rows per expert (benchmarks/NOTES.md)
 
@@ -86,6 +88,8 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     sm90 = compute_capability == WGMMA_COMPUTE_CAPABILITY
     if rows_per_expert <= SMALL_ROWS:
         chosen = _SMALL
+    elif rows_per_expert <= MEDIUM_32_ROWS:
+        chosen = _MEDIUM_32
     elif rows_per_expert <= (MEDIUM_ROWS_SM90 if sm90 else MEDIUM_ROWS):
         chosen = _MEDIUM
     else:
@@ -97,7 +101,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
 def name_expressions(source: str, dtype) -> tuple:
     """Every instantiation in ``source`` the plans can use for one dtype (one module each)."""
     names = []
-    for p in (_SMALL, _MEDIUM, _LARGE, _LARGE_SM90):
+    for p in (_SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _LARGE_SM90):
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
             for variant in (cfg, _fit(cfg, _LARGE.gate_up if gated else _LARGE.down, K_TILE)):
                 if variant.source == source:

@@ -18,8 +18,9 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
   using Loader = TileLoader<BM, BN, THREADS, GATED>;
 
   Tile tile;
-  if (!find_tile<BM, BN>(offsets, tile_offsets, num_experts, n_out, tile)) return;
-  const Loader loader(tile, a, sorted_slots, top_k, w, n_out, k_dim);
+  const int m_bound = gridDim.x / (n_out / BN);
+  if (!find_tile<BM, BN>(blockIdx.x, m_bound, offsets, tile_offsets, num_experts, n_out, tile)) return;
+  const Loader loader(tile, sorted_slots, top_k, w, n_out, k_dim);
 
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 s_a = smem_addr(smem);
@@ -32,7 +33,7 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
   const int k_tiles = k_dim / BK;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < k_tiles) loader.load(s_a + s * Loader::A_BYTES, s_b + s * Loader::B_BYTES, s);
+    if (s < k_tiles) loader.load(s_a + s * Loader::A_BYTES, s_b + s * Loader::B_BYTES, a, n_out, k_dim, s);
     cp_async_commit();
   }
   for (int kt = 0; kt < k_tiles; ++kt) {
@@ -41,7 +42,7 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
     const int next = kt + STAGES - 1;
     if (next < k_tiles) {
       const int stage = next % STAGES;
-      loader.load(s_a + stage * Loader::A_BYTES, s_b + stage * Loader::B_BYTES, next);
+      loader.load(s_a + stage * Loader::A_BYTES, s_b + stage * Loader::B_BYTES, a, n_out, k_dim, next);
     }
     cp_async_commit();
 

@@ -2,7 +2,8 @@
 // WGS warpgroups each own 64 rows of a BM = 64 * WGS tile and issue m64n128k16 over the whole
 // 128-row B tile: gate 64 + up 64 columns when GATED (h = silu(gate) * up), else 128 columns of y.
 // Tiles, operands and the cp.async loader are those of expert_tiles.cuh; both wgmma operands are
-// read straight from the 128B-swizzled shared stages.
+// read straight from the 128B-swizzled shared stages. A warpgroup whose 64 rows all lie past the
+// expert's last slot skips its MMAs. (A persistent variant measured slower: benchmarks/NOTES.md.)
 #include "expert_tiles.cuh"
 #include "wgmma.cuh"
 
@@ -18,20 +19,22 @@ expert_gemm_sm90(const u16* __restrict__ a, const int* __restrict__ sorted_slots
   static_assert(Loader::B_ROWS == 128, "one m64n128 wgmma covers the B tile");
 
   Tile tile;
-  if (!find_tile<BM, BN>(offsets, tile_offsets, num_experts, n_out, tile)) return;
-  const Loader loader(tile, a, sorted_slots, top_k, w, n_out, k_dim);
+  const int m_bound = gridDim.x / (n_out / BN);
+  if (!find_tile<BM, BN>(blockIdx.x, m_bound, offsets, tile_offsets, num_experts, n_out, tile)) return;
+  const Loader loader(tile, sorted_slots, top_k, w, n_out, k_dim);
 
   extern __shared__ unsigned char smem[];
   const u32 s_a = (smem_addr(smem) + 1023) & ~1023u;  // the swizzle repeats every 1024 bytes
   const u32 s_b = s_a + STAGES * Loader::A_BYTES;
   const int warpgroup = threadIdx.x >> 7;
+  const bool active = warpgroup * 64 < tile.rows;  // else all its rows are past the expert's last slot
   float acc[64] = {};
 
   constexpr int AHEAD = STAGES - 1;  // k-tiles loaded ahead of the one being multiplied
   const int k_tiles = k_dim / BK;
 #pragma unroll
   for (int s = 0; s < AHEAD; ++s) {
-    if (s < k_tiles) loader.load(s_a + s * Loader::A_BYTES, s_b + s * Loader::B_BYTES, s);
+    if (s < k_tiles) loader.load(s_a + s * Loader::A_BYTES, s_b + s * Loader::B_BYTES, a, n_out, k_dim, s);
     cp_async_commit();
   }
   for (int kt = 0; kt < k_tiles; ++kt) {
@@ -43,17 +46,20 @@ expert_gemm_sm90(const u16* __restrict__ a, const int* __restrict__ sorted_slots
     const int next = kt + AHEAD;
     if (next < k_tiles) {
       const int stage = next % STAGES;
-      loader.load(s_a + stage * Loader::A_BYTES, s_b + stage * Loader::B_BYTES, next);
+      loader.load(s_a + stage * Loader::A_BYTES, s_b + stage * Loader::B_BYTES, a, n_out, k_dim, next);
     }
     cp_async_commit();
 
-    const u32 sa = s_a + (kt % STAGES) * Loader::A_BYTES + warpgroup * 64 * 128;
-    const u32 sb = s_b + (kt % STAGES) * Loader::B_BYTES;
-    wgmma_fence();
+    if (active) {
+      const u32 sa = s_a + (kt % STAGES) * Loader::A_BYTES + warpgroup * 64 * 128;
+      const u32 sb = s_b + (kt % STAGES) * Loader::B_BYTES;
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) Wgmma<T>::m64n128k16(acc, wgmma_desc(sa + kk * 32), wgmma_desc(sb + kk * 32));
-    wgmma_commit();
-    wgmma_wait<0>();
+      for (int kk = 0; kk < BK / 16; ++kk)
+        Wgmma<T>::m64n128k16(acc, wgmma_desc(sa + kk * 32), wgmma_desc(sb + kk * 32));
+      wgmma_commit();
+      wgmma_wait<0>();
+    }
   }
   cp_async_wait<0>();
 

@@ -22,15 +22,15 @@ struct Tile {
   int n0;         // first output column
 };
 
-// Returns false when this block has no tile (the grid is sized by an upper bound).
+// The tile of work item ``work`` out of m_tiles * (n_out / BN); false when its m-tile does not exist
+// (m_tiles may be an upper bound, as in a grid sized on the host).
 template <int BM, int BN>
-__device__ __forceinline__ bool find_tile(const int* offsets, const int* tile_offsets, int num_experts,
-                                          int n_out, Tile& tile) {
+__device__ __forceinline__ bool find_tile(int work, int m_tiles, const int* offsets, const int* tile_offsets,
+                                          int num_experts, int n_out, Tile& tile) {
   const int n_tiles = n_out / BN;
-  const int m_bound = gridDim.x / n_tiles;
-  const int first_m = (blockIdx.x / (GROUP_M * n_tiles)) * GROUP_M;
-  const int group_m = min(GROUP_M, m_bound - first_m);
-  const int in_group = blockIdx.x % (GROUP_M * n_tiles);
+  const int first_m = (work / (GROUP_M * n_tiles)) * GROUP_M;
+  const int group_m = min(GROUP_M, m_tiles - first_m);
+  const int in_group = work % (GROUP_M * n_tiles);
   const int m_tile = first_m + in_group % group_m;
   if (m_tile >= tile_offsets[num_experts]) return false;
   int lo = 0, hi = num_experts;  // tile_offsets[lo] <= m_tile < tile_offsets[hi]
@@ -46,49 +46,45 @@ __device__ __forceinline__ bool find_tile(const int* offsets, const int* tile_of
   return true;
 }
 
-// Per-thread cp.async source pointers for one tile; load() copies K-tile kt into a pipeline stage.
+// What one thread copies for a tile: 16-byte chunk (threadIdx.x % 8) of rows threadIdx.x / 8 + i * ROW_STEP.
+// load() copies K-tile kt into a pipeline stage. Kept small (row indices, one weight pointer): the
+// persistent wgmma kernel holds one of these beside its accumulators.
 template <int BM, int BN, int THREADS, bool GATED>
 struct TileLoader {
   static constexpr int B_ROWS = GATED ? 2 * BN : BN;
-  static constexpr int A_ITERS = BM * 8 / THREADS;
-  static constexpr int B_ITERS = B_ROWS * 8 / THREADS;
+  static constexpr int ROW_STEP = THREADS / 8;
+  static constexpr int A_ITERS = BM / ROW_STEP;
+  static constexpr int B_ITERS = B_ROWS / ROW_STEP;
   static constexpr int A_BYTES = BM * 128, B_BYTES = B_ROWS * 128;  // one stage
-  static_assert(A_ITERS * THREADS == BM * 8 && B_ITERS * THREADS == B_ROWS * 8, "loader shape");
+  static_assert(A_ITERS * ROW_STEP == BM && B_ITERS * ROW_STEP == B_ROWS && BN % ROW_STEP == 0,
+                "loader shape");
 
-  const u16* a_src[A_ITERS];
-  bool a_valid[A_ITERS];
-  const u16* b_src[B_ITERS];
+  int a_row[A_ITERS];  // row of a (x or h) for each A row this thread loads; -1: past the expert
+  const u16* b_src;    // this thread's first weight row and chunk
 
-  __device__ __forceinline__ TileLoader(const Tile& t, const u16* a, const int* sorted_slots, int top_k,
-                                        const u16* w, int n_out, int k_dim) {
+  __device__ __forceinline__ TileLoader(const Tile& t, const int* sorted_slots, int top_k, const u16* w,
+                                        int n_out, int k_dim) {
+    const int r0 = threadIdx.x >> 3;
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i) {
-      const int idx = threadIdx.x + i * THREADS, r = idx >> 3;
-      a_valid[i] = r < t.rows;
-      long long src_row = 0;
-      if (a_valid[i]) src_row = GATED ? sorted_slots[t.slot_base + r] / top_k : t.slot_base + r;
-      a_src[i] = a + src_row * k_dim + (idx & 7) * 8;
+      const int r = r0 + i * ROW_STEP;
+      a_row[i] = r >= t.rows ? -1 : GATED ? sorted_slots[t.slot_base + r] / top_k : t.slot_base + r;
     }
     const long long w_rows = GATED ? 2LL * n_out : n_out;
-#pragma unroll
-    for (int i = 0; i < B_ITERS; ++i) {
-      const int idx = threadIdx.x + i * THREADS, r = idx >> 3;
-      const long long w_row = (GATED && r >= BN) ? n_out + t.n0 + (r - BN) : t.n0 + r;
-      b_src[i] = w + (t.expert * w_rows + w_row) * k_dim + (idx & 7) * 8;
-    }
+    b_src = w + (t.expert * w_rows + t.n0 + r0) * k_dim + (threadIdx.x & 7) * 8;
   }
 
-  __device__ __forceinline__ void load(u32 s_a, u32 s_b, int kt) const {
-    const int k0 = kt * BK;
+  __device__ __forceinline__ void load(u32 s_a, u32 s_b, const u16* a, int n_out, int k_dim, int kt) const {
+    const int r0 = threadIdx.x >> 3, chunk = threadIdx.x & 7, k0 = kt * BK + chunk * 8;
 #pragma unroll
-    for (int i = 0; i < A_ITERS; ++i) {
-      const int idx = threadIdx.x + i * THREADS;
-      cp_async_16(s_a + swizzled_offset(idx >> 3, idx & 7), a_src[i] + k0, a_valid[i]);
-    }
+    for (int i = 0; i < A_ITERS; ++i)
+      cp_async_16(s_a + swizzled_offset(r0 + i * ROW_STEP, chunk),
+                  a + (long long)max(a_row[i], 0) * k_dim + k0, a_row[i] >= 0);
 #pragma unroll
     for (int i = 0; i < B_ITERS; ++i) {
-      const int idx = threadIdx.x + i * THREADS;
-      cp_async_16(s_b + swizzled_offset(idx >> 3, idx & 7), b_src[i] + k0, true);
+      const int r = i * ROW_STEP;  // GATED: rows from BN on are the up projection, n_out rows further
+      const long long skip = (GATED && r >= BN) ? n_out - BN : 0;
+      cp_async_16(s_b + swizzled_offset(r0 + r, chunk), b_src + (r + skip) * k_dim + kt * BK, true);
     }
   }
 };
