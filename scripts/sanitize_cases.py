@@ -141,18 +141,28 @@ def small_cases():
                 yield f"route {tag} T={tokens} E={experts} k={top_k}", route_case, (logits, top_k)
 
 
+def hashed_uniform(xp, shape, seed, scale):
+    """Deterministic values uniform in [-scale*sqrt(3), scale*sqrt(3)) (standard deviation ``scale``)
+    from an integer hash of the index: plain elementwise kernels, which stay fast under racecheck
+    (cupy.random's generator took minutes there for 6 GiB)."""
+    h = xp.arange(int(np.prod(shape)), dtype=xp.uint32).reshape(shape) + xp.uint32(seed * 0x9E3779B9 % 2**32)
+    for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):  # murmur3's finaliser
+        h ^= h >> xp.uint32(shift)
+        h *= xp.uint32(multiplier)
+    h ^= h >> xp.uint32(16)
+    unit = (h >> xp.uint32(8)).astype(xp.float32) * xp.float32(2.0**-24) - xp.float32(0.5)
+    return unit * xp.float32(scale * 12**0.5)
+
+
 def bench_weights():
     """Full-size w13 [E, 2I, H] and w2 [E, H, I] in bf16, generated on the GPU a few experts at a time."""
     experts, hidden, inter = BENCH_EXPERTS, BENCH_HIDDEN, BENCH_INTER
-    gen = cupy.random.default_rng(0)
     w13 = cupy.empty((experts, 2 * inter, hidden), BF16)
     w2 = cupy.empty((experts, hidden, inter), BF16)
     step = 16
     for e in range(0, experts, step):
-        w13[e:e + step] = (gen.standard_normal((step, 2 * inter, hidden), dtype=cupy.float32)
-                           * hidden ** -0.5).astype(BF16)
-        w2[e:e + step] = (gen.standard_normal((step, hidden, inter), dtype=cupy.float32)
-                          * inter ** -0.5).astype(BF16)
+        w13[e:e + step] = hashed_uniform(cupy, (step, 2 * inter, hidden), 2 * e, hidden ** -0.5).astype(BF16)
+        w2[e:e + step] = hashed_uniform(cupy, (step, hidden, inter), 2 * e + 1, inter ** -0.5).astype(BF16)
     return w13, w2
 
 
