@@ -11,7 +11,6 @@ class Workspace:
     def __init__(self, shape: _checks.Shape, device_id: int):
         import cupy
 
-        self.shape = shape
         self.plan = experts.plan(shape.tokens, shape.top_k, shape.experts, shape.hidden,
                                  shape.intermediate, _compile.compute_capability(device_id))
         slots = shape.tokens * shape.top_k
