@@ -73,6 +73,14 @@ def compute_capability(device_id: int) -> int:
     return cc
 
 
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_id: int) -> int:
+    """The device's number of streaming multiprocessors."""
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
 _lock = threading.Lock()
 _modules = {}
 

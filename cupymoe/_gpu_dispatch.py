@@ -32,8 +32,9 @@ class DispatchBuffers:
         self.offsets = cupy.empty(experts + 1, np.int32)
         self.sorted_slots = cupy.empty(slots, np.int32)
         self.slot_positions = cupy.empty(slots, np.int32)
-        self.tiles_gate_up = cupy.empty(experts + 1, np.int32)  # first m-tile of each expert
-        self.tiles_down = cupy.empty(experts + 1, np.int32)
+        # First m-tile of each expert, the total, and a tile counter for the persistent GEMM.
+        self.tiles_gate_up = cupy.empty(experts + 2, np.int32)
+        self.tiles_down = cupy.empty(experts + 2, np.int32)
         self.chunk_starts = cupy.empty(experts * self.chunks, np.int32)
         self.rank = cupy.empty(max(1, slots), np.int32)
 

@@ -8,9 +8,10 @@ import numpy as np
 from . import _checks, _compile
 
 K_TILE = 64  # the kernels' BK; H and I are multiples of it
-MMA_SOURCE = "expert_gemm.cu"
-WGMMA_SOURCE = "expert_gemm_sm90.cu"
 WGMMA_COMPUTE_CAPABILITY = 90
+MMA, PERSISTENT = "mma", "persistent"
+SOURCES = {MMA: "expert_gemm.cu", PERSISTENT: "expert_gemm_ws.cu"}
+PRODUCER_THREADS = 128  # the persistent kernel's loading warpgroup
 
 
 @dataclass(frozen=True)
@@ -21,27 +22,32 @@ class GemmConfig:
     block_n: int  # output columns per block (gate/up: of h, so 2 * block_n weight rows)
     warps_m: int
     warps_n: int
-    stages: int  # cp.async pipeline depth
-    wgmma: bool = False  # expert_gemm_sm90 (warpgroups of 4 warps along M) instead of mma.sync
+    stages: int  # shared-memory pipeline depth
+    # MMA: expert_gemm (mma.sync, sm_80+). PERSISTENT: expert_gemm_ws (sm_90a): warps_m / 4 wgmma
+    # warpgroups of 64 rows each, plus a loading warpgroup.
+    kernel: str = MMA
 
     @property
     def source(self) -> str:
-        return WGMMA_SOURCE if self.wgmma else MMA_SOURCE
+        return SOURCES[self.kernel]
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
+        return 32 * self.warps_m * self.warps_n + (PRODUCER_THREADS if self.kernel == PERSISTENT else 0)
 
     def shared_bytes(self, gated: bool) -> int:
         weight_rows = 2 * self.block_n if gated else self.block_n
-        alignment_slack = 1024 if self.wgmma else 0  # the wgmma kernel aligns its stages to 1 KiB
-        return self.stages * (self.block_m + weight_rows) * K_TILE * 2 + alignment_slack
+        stages = self.stages * (self.block_m + weight_rows) * K_TILE * 2
+        if self.kernel == MMA:
+            return stages
+        barriers = 16 * self.stages  # a full and an empty mbarrier per stage
+        return stages + 1024 + barriers  # stages are aligned to 1 KiB
 
     def name_expression(self, dtype, gated: bool) -> str:
         tag = "bf16" if dtype == _checks.BFLOAT16 else "f16"
         flag = "true" if gated else "false"
-        if self.wgmma:
-            return f"expert_gemm_sm90<{tag},{self.warps_m // 4},{self.stages},{flag}>"
+        if self.kernel == PERSISTENT:
+            return f"expert_gemm_ws<{tag},{self.warps_m // 4},{self.block_n},{self.stages},{flag}>"
         return (f"expert_gemm<{tag},{self.block_m},{self.block_n},{self.warps_m},{self.warps_n},"
                 f"{self.stages},{flag}>")
 
@@ -52,10 +58,11 @@ class Plan:
     down: GemmConfig
 
 
-def _wgmma_plan(warpgroups: int, stages: int) -> Plan:
+def _persistent_plan(warpgroups: int, stages: int) -> Plan:
+    """m64n256 wgmma per MMA warpgroup: gate/up 128 columns of gate and of up, down 256 columns."""
     block_m, warps_m = 64 * warpgroups, 4 * warpgroups
-    return Plan(GemmConfig(block_m, 64, warps_m, 1, stages, True),
-                GemmConfig(block_m, 128, warps_m, 1, stages, True))
+    return Plan(GemmConfig(block_m, 128, warps_m, 1, stages, PERSISTENT),
+                GemmConfig(block_m, 256, warps_m, 1, stages, PERSISTENT))
 
 
 # By the average number of slots per expert that has any: weight streaming dominates below a few
@@ -64,18 +71,18 @@ _SMALL = Plan(GemmConfig(16, 64, 1, 4, 6), GemmConfig(16, 64, 1, 4, 6))
 _MEDIUM_32 = Plan(GemmConfig(32, 64, 2, 2, 5), GemmConfig(32, 128, 1, 4, 5))
 _MEDIUM = Plan(GemmConfig(64, 64, 2, 2, 4), GemmConfig(64, 128, 2, 2, 4))
 _LARGE = Plan(GemmConfig(128, 64, 4, 2, 3), GemmConfig(128, 128, 4, 2, 3))
-_LARGE_SM90 = _wgmma_plan(2, 3)
+_PERSISTENT = _persistent_plan(2, 4)
 SMALL_ROWS = 12
 MEDIUM_32_ROWS = 24
 MEDIUM_ROWS = 64
-MEDIUM_ROWS_SM90 = 48  # the wgmma tiles already win at 64 rows per expert (benchmarks/NOTES.md)
+MEDIUM_ROWS_SM90 = 48  # the persistent wgmma kernel already wins at 64 rows per expert (NOTES.md)
 
 
 def _fit(cfg: GemmConfig, fallback: GemmConfig, n_out: int) -> GemmConfig:
     """A config whose block_n divides the output width (H and I are multiples of K_TILE)."""
     if n_out % cfg.block_n == 0:
         return cfg
-    if cfg.wgmma:
+    if cfg.kernel != MMA:
         return _fit(fallback, fallback, n_out)
     return replace(cfg, block_n=K_TILE)
 
@@ -93,7 +100,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     elif rows_per_expert <= (MEDIUM_ROWS_SM90 if sm90 else MEDIUM_ROWS):
         chosen = _MEDIUM
     else:
-        chosen = _LARGE_SM90 if sm90 else _LARGE
+        chosen = _PERSISTENT if sm90 else _LARGE
     return Plan(_fit(chosen.gate_up, _LARGE.gate_up, intermediate),
                 _fit(chosen.down, _LARGE.down, hidden))
 
@@ -101,7 +108,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
 def name_expressions(source: str, dtype) -> tuple:
     """Every instantiation in ``source`` the plans can use for one dtype (one module each)."""
     names = []
-    for p in (_SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _LARGE_SM90):
+    for p in (_SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT):
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
             for variant in (cfg, _fit(cfg, _LARGE.gate_up if gated else _LARGE.down, K_TILE)):
                 if variant.source == source:
@@ -122,6 +129,8 @@ def _launch(cfg: GemmConfig, gated: bool, dtype, device_id: int, a, sorted_slots
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
     grid = max_m_tiles(slots, experts, cfg.block_m) * (n_out // cfg.block_n)
+    if cfg.kernel == PERSISTENT:
+        grid = min(grid, _compile.multiprocessors(device_id))  # one block per SM claims tiles
     kernel((grid,), (cfg.threads,),
            (a, sorted_slots, np.int32(top_k), w, offsets, tile_offsets, np.int32(experts),
             np.int32(n_out), np.int32(k_dim), c),

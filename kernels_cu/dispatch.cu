@@ -84,9 +84,10 @@ __device__ int block_exclusive_scan(int* data, long long n, int* warp_sums) {
   return carry;
 }
 
-// Writes m-tile counts of block_m rows per expert, then scans them: tiles[e] = first tile of e.
+// Writes m-tile counts of block_m rows per expert, then scans them: tiles[e] = first tile of e,
+// tiles[E] = all m-tiles. tiles[E + 1] is zeroed: the persistent GEMM's tile counter.
 __device__ void tile_map(const int* offsets, int num_experts, int block_m, int* tiles, int* warp_sums) {
-  for (int e = threadIdx.x; e <= num_experts; e += blockDim.x)
+  for (int e = threadIdx.x; e <= num_experts + 1; e += blockDim.x)
     tiles[e] = e < num_experts ? (offsets[e + 1] - offsets[e] + block_m - 1) / block_m : 0;
   __syncthreads();
   block_exclusive_scan(tiles, num_experts + 1, warp_sums);

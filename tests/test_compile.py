@@ -11,11 +11,8 @@ MODULES = [
     (_gpu_dispatch.SOURCE, _gpu_dispatch.NAMES),
     (combine.SOURCE, combine.NAMES),
     (_gpu_route.SOURCE, _gpu_route.NAMES),
-    (experts.MMA_SOURCE, experts.name_expressions(experts.MMA_SOURCE, _checks.BFLOAT16)),
-    (experts.MMA_SOURCE, experts.name_expressions(experts.MMA_SOURCE, _checks.FLOAT16)),
-    (experts.WGMMA_SOURCE, experts.name_expressions(experts.WGMMA_SOURCE, _checks.BFLOAT16)),
-    (experts.WGMMA_SOURCE, experts.name_expressions(experts.WGMMA_SOURCE, _checks.FLOAT16)),
-]
+] + [(source, experts.name_expressions(source, dtype))
+     for source in experts.SOURCES.values() for dtype in (_checks.BFLOAT16, _checks.FLOAT16)]
 ARCHS = ["sm_90a", "sm_80"]
 
 
@@ -51,6 +48,6 @@ def test_sm90a_enables_wgmma_feature_macro():
 
 
 def test_headers_are_inlined():
-    text = _compile.source(experts.MMA_SOURCE)
+    text = _compile.source(experts.SOURCES[experts.MMA])
     assert '#include "common.cuh"' not in text
     assert "Float16Traits" in text
