@@ -129,9 +129,12 @@ def small_cases():
             problem = random_problem(rng, tokens, width, experts, width, top_k, routing=routing)
             yield f"forward routing={routing} {shape}", forward_case, (problem,)
 
-    for hidden, inter in ((64, 64), (192, 320), (512, 64)):
-        problem = random_problem(np.random.default_rng([hidden, inter]), 257, hidden, 8, inter, 2)
-        yield f"forward H={hidden} I={inter} T=257 E=8 k=2", forward_case, (problem,)
+    # 64 rows per expert: on sm_90 the persistent wgmma kernels run where I % 128 == 0 (gate/up)
+    # and H % 256 == 0 (down), the mma.sync ones elsewhere.
+    for hidden, inter, dtype, tag in ((64, 64, BF16, "bf16"), (192, 320, BF16, "bf16"), (512, 64, BF16, "bf16"),
+                                      (256, 128, FP16, "fp16")):
+        problem = random_problem(np.random.default_rng([hidden, inter]), 257, hidden, 8, inter, 2, dtype)
+        yield f"forward {tag} H={hidden} I={inter} T=257 E=8 k=2", forward_case, (problem,)
 
     for dtype, tag in ((np.dtype(np.float32), "f32"), (BF16, "bf16"), (FP16, "f16")):
         for tokens in SMALL_TOKENS:
