@@ -1,6 +1,7 @@
 """The per-expert tensor-core GEMMs: gate/up with SwiGLU fused, then down. Tile shapes by problem size."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -105,6 +106,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
                 _fit(chosen.down, _LARGE.down, hidden))
 
 
+@functools.lru_cache(maxsize=None)  # every launch asks; building the list takes ~20 us
 def name_expressions(source: str, dtype) -> tuple:
     """Every instantiation in ``source`` the plans can use for one dtype (one module each)."""
     names = []
