@@ -81,6 +81,14 @@ def multiprocessors(device_id: int) -> int:
     return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
+@functools.lru_cache(maxsize=None)
+def shared_memory_limit(device_id: int) -> int:
+    """The most dynamic shared memory one block may opt in to, in bytes."""
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+
+
 _lock = threading.Lock()
 _modules = {}
 

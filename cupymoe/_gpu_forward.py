@@ -12,7 +12,8 @@ class Workspace:
         import cupy
 
         self.plan = experts.plan(shape.tokens, shape.top_k, shape.experts, shape.hidden,
-                                 shape.intermediate, _compile.compute_capability(device_id))
+                                 shape.intermediate, _compile.compute_capability(device_id),
+                                 _compile.shared_memory_limit(device_id))
         slots = shape.tokens * shape.top_k
         try:
             self.dispatch = DispatchBuffers(slots, shape.experts, self.plan.gate_up.block_m,

@@ -77,6 +77,8 @@ SMALL_ROWS = 12
 MEDIUM_32_ROWS = 24
 MEDIUM_ROWS = 64
 MEDIUM_ROWS_SM90 = 48  # the persistent wgmma kernel already wins at 64 rows per expert (NOTES.md)
+# Opt-in shared memory per block on sm_86, sm_89 and sm_120; sm_80 has 163 KiB, sm_90 227 KiB.
+SHARED_LIMIT_SMALLEST = 99 * 1024
 
 
 def _fit(cfg: GemmConfig, fallback: GemmConfig, n_out: int) -> GemmConfig:
@@ -88,9 +90,17 @@ def _fit(cfg: GemmConfig, fallback: GemmConfig, n_out: int) -> GemmConfig:
     return replace(cfg, block_n=K_TILE)
 
 
+def _fit_shared(cfg: GemmConfig, gated: bool, limit: int) -> GemmConfig:
+    """cfg with its pipeline cut (to 2 stages at the least) until it fits ``limit`` bytes."""
+    while cfg.shared_bytes(gated) > limit and cfg.stages > 2:
+        cfg = replace(cfg, stages=cfg.stages - 1)
+    return cfg
+
+
 def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
-         compute_capability: int = 80) -> Plan:
-    """The GEMM configurations for T tokens routed to k of E experts at sizes H and I."""
+         compute_capability: int, shared_limit: int) -> Plan:
+    """The GEMM configurations for T tokens routed to k of E experts at sizes H and I, on a GPU
+    of the given compute capability with ``shared_limit`` bytes of shared memory per block."""
     slots = tokens * top_k
     rows_per_expert = slots / max(1, min(experts, slots))
     sm90 = compute_capability == WGMMA_COMPUTE_CAPABILITY
@@ -102,13 +112,13 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
         chosen = _MEDIUM
     else:
         chosen = _PERSISTENT if sm90 else _LARGE
-    return Plan(_fit(chosen.gate_up, _LARGE.gate_up, intermediate),
-                _fit(chosen.down, _LARGE.down, hidden))
+    return Plan(_fit_shared(_fit(chosen.gate_up, _LARGE.gate_up, intermediate), True, shared_limit),
+                _fit_shared(_fit(chosen.down, _LARGE.down, hidden), False, shared_limit))
 
 
 @functools.lru_cache(maxsize=None)  # every launch asks; building the list takes ~20 us
 def name_expressions(source: str, dtype) -> tuple:
-    """Every instantiation in ``source`` the plans can use for one dtype (one module each)."""
+    """Every instantiation in ``source`` the plans use on sm_80 and sm_90 for one dtype (one module)."""
     names = []
     for p in (_SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT):
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
@@ -125,8 +135,11 @@ def max_m_tiles(slots: int, experts: int, block_m: int) -> int:
 
 def _launch(cfg: GemmConfig, gated: bool, dtype, device_id: int, a, sorted_slots, top_k, w, offsets,
             tile_offsets, experts, n_out, k_dim, c, slots):
-    kernel = _compile.kernel(cfg.source, cfg.name_expression(dtype, gated),
-                             name_expressions(cfg.source, dtype), device_id)
+    name = cfg.name_expression(dtype, gated)
+    names = name_expressions(cfg.source, dtype)
+    if name not in names:  # stages cut for a GPU with less shared memory: a module of its own
+        names = (name,)
+    kernel = _compile.kernel(cfg.source, name, names, device_id)
     smem = cfg.shared_bytes(gated)
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem

@@ -13,6 +13,22 @@ MODULES = [
     (_gpu_route.SOURCE, _gpu_route.NAMES),
 ] + [(source, experts.name_expressions(source, dtype))
      for source in experts.SOURCES.values() for dtype in (_checks.BFLOAT16, _checks.FLOAT16)]
+
+
+def _small_shared_memory_names(dtype):
+    """Instantiations that only GPUs with 99 KiB of shared memory per block (sm_86, sm_89) use."""
+    names = []
+    for tokens in (1, 64, 256, 512, 1024, 4096):
+        p = experts.plan(tokens, 8, 256, 4096, 1024, 86, experts.SHARED_LIMIT_SMALLEST)
+        for cfg, gated in ((p.gate_up, True), (p.down, False)):
+            name = cfg.name_expression(dtype, gated)
+            if name not in experts.name_expressions(cfg.source, dtype):
+                names.append(name)
+    return tuple(dict.fromkeys(names))
+
+
+MODULES += [(experts.SOURCES[experts.MMA], _small_shared_memory_names(dtype))
+            for dtype in (_checks.BFLOAT16, _checks.FLOAT16)]
 ARCHS = ["sm_90a", "sm_80"]
 
 

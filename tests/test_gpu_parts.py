@@ -136,3 +136,16 @@ def test_route_nan_ranks_lowest(experts, top_k, dtype, renormalize):
     _, ids = check_route(logits, top_k, renormalize)
     assert not np.take_along_axis(nan, ids.astype(np.int64), axis=1).any()
     np.testing.assert_array_equal(np.sort(ids[0]), np.arange(experts - top_k, experts))
+
+
+def test_plans_fit_this_gpu():
+    """The workspace plans with this GPU's shared memory; every plan's configs fit it."""
+    from cupymoe import _compile, experts
+
+    device_id = cupy.cuda.Device().id
+    limit = _compile.shared_memory_limit(device_id)
+    capability = _compile.compute_capability(device_id)
+    assert limit >= experts.SHARED_LIMIT_SMALLEST
+    for tokens in (1, 64, 512, 2048, 8192):
+        p = experts.plan(tokens, 8, 256, 4096, 1024, capability, limit)
+        assert p.gate_up.shared_bytes(True) <= limit and p.down.shared_bytes(False) <= limit

@@ -1,0 +1,51 @@
+"""The GEMM tile plans (host side, no GPU): every config fits the GPU it is planned for."""
+import itertools
+
+import pytest
+
+from cupymoe import _checks, experts
+
+SHARED_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 120: 99 * 1024}
+TOKENS = (1, 4, 16, 64, 256, 512, 1024, 2048, 4096, 8192)
+SIZES = ((4096, 1024), (64, 64), (192, 320), (512, 64), (2048, 1408))  # (H, I), multiples of 64
+
+
+def plans():
+    for cc, tokens, (hidden, inter) in itertools.product(SHARED_LIMITS, TOKENS, SIZES):
+        p = experts.plan(tokens, 8, 256, hidden, inter, cc, SHARED_LIMITS[cc])
+        yield cc, hidden, inter, p
+
+
+@pytest.mark.parametrize("cc,hidden,inter,p", list(plans()))
+def test_configs_fit_the_problem_and_the_gpu(cc, hidden, inter, p):
+    for cfg, gated, n_out in ((p.gate_up, True, inter), (p.down, False, hidden)):
+        assert n_out % cfg.block_n == 0
+        assert cfg.shared_bytes(gated) <= SHARED_LIMITS[cc]
+        assert cfg.stages >= 2
+        assert cfg.kernel == experts.MMA or cc == experts.WGMMA_COMPUTE_CAPABILITY
+        assert cfg.threads <= 1024
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_sm80_and_sm90_plans_are_precompiled(cc):
+    """What A100s and H100/H200s run is in name_expressions (compiled once, checked for spills)."""
+    for tokens, (hidden, inter) in itertools.product(TOKENS, SIZES):
+        p = experts.plan(tokens, 8, 256, hidden, inter, cc, SHARED_LIMITS[cc])
+        for cfg, gated in ((p.gate_up, True), (p.down, False)):
+            for dtype in (_checks.BFLOAT16, _checks.FLOAT16):
+                assert cfg.name_expression(dtype, gated) in experts.name_expressions(cfg.source, dtype)
+
+
+def test_small_shared_memory_cuts_stages_only():
+    """On a 99 KiB GPU the deep small-tile pipelines lose stages; tile shapes stay."""
+    roomy = experts.plan(1, 8, 256, 4096, 1024, 80, SHARED_LIMITS[80])
+    tight = experts.plan(1, 8, 256, 4096, 1024, 86, SHARED_LIMITS[86])
+    assert roomy.gate_up.shared_bytes(True) > SHARED_LIMITS[86]
+    assert tight.gate_up.stages < roomy.gate_up.stages
+    assert (tight.gate_up.block_m, tight.gate_up.block_n) == (roomy.gate_up.block_m, roomy.gate_up.block_n)
+
+
+def test_persistent_kernel_above_48_rows_per_expert_on_sm90():
+    assert experts.plan(1600, 8, 256, 4096, 1024, 90, SHARED_LIMITS[90]).gate_up.kernel == experts.PERSISTENT
+    assert experts.plan(1536, 8, 256, 4096, 1024, 90, SHARED_LIMITS[90]).gate_up.kernel == experts.MMA
+    assert experts.plan(8192, 8, 256, 4096, 1024, 80, SHARED_LIMITS[80]).gate_up.kernel == experts.MMA
