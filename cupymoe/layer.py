@@ -99,7 +99,8 @@ class MoE:
     -----
     Without ``out=``, a GPU call returns an output array owned by the layer: the next call
     with the same T writes into it again (which is what graph replay needs). Pass ``out=``,
-    or copy, to keep a result.
+    or copy, to keep a result. Calls with the same T share one workspace, so they must not
+    overlap on different streams: give each stream its own layer.
     """
 
     def __init__(self, w13, w2):
