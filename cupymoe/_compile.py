@@ -74,19 +74,20 @@ def compute_capability(device_id: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def multiprocessors(device_id: int) -> int:
-    """The device's number of streaming multiprocessors."""
+def device_attribute(device_id: int, name: str) -> int:
+    """A CUDA device attribute by its name without "cudaDevAttr", e.g. "MultiProcessorCount"."""
     import cupy
 
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+    return cupy.cuda.Device(device_id).attributes[name]
 
 
-@functools.lru_cache(maxsize=None)
+def multiprocessors(device_id: int) -> int:
+    return device_attribute(device_id, "MultiProcessorCount")
+
+
 def shared_memory_limit(device_id: int) -> int:
     """The most dynamic shared memory one block may opt in to, in bytes."""
-    import cupy
-
-    return cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    return device_attribute(device_id, "MaxSharedMemoryPerBlockOptin")
 
 
 _lock = threading.Lock()
