@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import _checks, _compile
+from . import _checks, _compile, _tma
 
 K_TILE = 64  # the kernels' BK; H and I are multiples of it
 WGMMA_COMPUTE_CAPABILITY = 90
@@ -67,12 +67,15 @@ def _persistent_plan(warpgroups: int, stages: int) -> Plan:
 
 
 # By the average number of slots per expert that has any: weight streaming dominates below a few
-# dozen rows (small block_m, deep pipeline), arithmetic above (wgmma where the GPU has it).
+# dozen rows (small block_m, deep pipeline), arithmetic above (wgmma where the GPU has it). At one
+# or two rows, narrower gate/up tiles spread the weights over twice the blocks (NOTES.md, v6).
+_TINY = Plan(GemmConfig(16, 32, 1, 2, 8), GemmConfig(16, 64, 1, 4, 6))
 _SMALL = Plan(GemmConfig(16, 64, 1, 4, 6), GemmConfig(16, 64, 1, 4, 6))
 _MEDIUM_32 = Plan(GemmConfig(32, 64, 2, 2, 5), GemmConfig(32, 128, 1, 4, 5))
 _MEDIUM = Plan(GemmConfig(64, 64, 2, 2, 4), GemmConfig(64, 128, 2, 2, 4))
 _LARGE = Plan(GemmConfig(128, 64, 4, 2, 3), GemmConfig(128, 128, 4, 2, 3))
 _PERSISTENT = _persistent_plan(2, 4)
+TINY_ROWS = 2  # beyond, a skewed routing's busy experts favour the wider tiles
 SMALL_ROWS = 12
 MEDIUM_32_ROWS = 24
 MEDIUM_ROWS = 64
@@ -104,7 +107,9 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     slots = tokens * top_k
     rows_per_expert = slots / max(1, min(experts, slots))
     sm90 = compute_capability == WGMMA_COMPUTE_CAPABILITY
-    if rows_per_expert <= SMALL_ROWS:
+    if rows_per_expert <= TINY_ROWS:
+        chosen = _TINY
+    elif rows_per_expert <= SMALL_ROWS:
         chosen = _SMALL
     elif rows_per_expert <= MEDIUM_32_ROWS:
         chosen = _MEDIUM_32
@@ -120,7 +125,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
 def name_expressions(source: str, dtype) -> tuple:
     """Every instantiation in ``source`` the plans use on sm_80 and sm_90 for one dtype (one module)."""
     names = []
-    for p in (_SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT):
+    for p in (_TINY, _SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT):
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
             for variant in (cfg, _fit(cfg, _LARGE.gate_up if gated else _LARGE.down, K_TILE)):
                 if variant.source == source:
@@ -146,6 +151,7 @@ def _launch(cfg: GemmConfig, gated: bool, dtype, device_id: int, a, sorted_slots
     grid = max_m_tiles(slots, experts, cfg.block_m) * (n_out // cfg.block_n)
     if cfg.kernel == PERSISTENT:
         grid = min(grid, _compile.multiprocessors(device_id))  # one block per SM claims tiles
+        w = _tma.weight_rows_map(w)  # the weight tiles come by TMA
     kernel((grid,), (cfg.threads,),
            (a, sorted_slots, np.int32(top_k), w, offsets, tile_offsets, np.int32(experts),
             np.int32(n_out), np.int32(k_dim), c),

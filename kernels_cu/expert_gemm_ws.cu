@@ -1,40 +1,43 @@
 // Per-expert GEMMs on Hopper (sm_90a): persistent, warp-specialised wgmma kernel for large tiles.
-// Warpgroup 0 produces: it claims tiles from a device-side counter (zeroed by the dispatch scan) and
-// streams their K-tiles through STAGES shared stages with cp.async, gathering A rows as
-// expert_tiles.cuh describes. Warpgroups 1..CONSUMERS consume: each owns 64 rows of the BM-row tile
-// and multiplies them by the whole 256-row B tile with m64n256k16 (gate/up: BN = 128 gate rows then
-// 128 up rows; down: BN = 256), keeping one K-tile of MMAs in flight. Full and empty mbarriers hand
-// the stages over, so no warp waits on a block-wide barrier, and the producer fills the next tile's
-// stages while the consumers run the epilogue. Each tile is computed by one warpgroup pair in a
-// fixed K order, so which block claims it does not change a bit of the result.
+// Warpgroup 0 produces: it claims tiles from a device-side counter (zeroed by the dispatch scan),
+// gathers each tile's A rows with cp.async (expert_tiles.cuh) and loads its weight tile by TMA,
+// through STAGES shared stages handed over by full and empty mbarriers. Warpgroups 1..CONSUMERS
+// consume: each owns 64 rows of the BM-row tile and multiplies them by the whole 256-row weight
+// tile with m64n256k16 (gate/up: BN = 128 gate rows then 128 up rows; down: BN = 256), keeping one
+// K-tile of MMAs in flight. No warp waits on a block-wide barrier, and the producer fills the next
+// tile's stages while the consumers run the epilogue. Each tile is computed by one warpgroup pair
+// in a fixed K order, so which block claims it does not change a bit of the result.
 #include "expert_tiles.cuh"
 #include "mbarrier.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 // 128 * 88 + 256 * 208 = 384 * 168, what two consumers' launch holds; 88 keeps the loader unspilled.
 constexpr int PRODUCER_REGISTERS = 88;
 constexpr int CONSUMER_REGISTERS = 208;
+constexpr int BOX_ROWS = 128;  // weight rows per TMA box (cupymoe/_tma.py encodes the same)
 
 template <class T, int CONSUMERS, int BN, int STAGES, bool GATED>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
-               const u16* __restrict__ w, const int* __restrict__ offsets, int* __restrict__ tile_offsets,
-               int num_experts, int n_out, int k_dim, u16* __restrict__ c) {
+               const __grid_constant__ TensorMap w_map, const int* __restrict__ offsets,
+               int* __restrict__ tile_offsets, int num_experts, int n_out, int k_dim, u16* __restrict__ c) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int BM = 64 * CONSUMERS, N = GATED ? 2 * BN : BN;
-  using Loader = TileLoader<BM, BN, 128, GATED>;
-  static_assert(Loader::B_ROWS == N && N == 256, "one m64n256k16 wgmma covers the B tile");
+  constexpr int BM = 64 * CONSUMERS, B_ROWS = GATED ? 2 * BN : BN;
+  constexpr int A_BYTES = BM * 128, B_BYTES = B_ROWS * 128;  // one stage
+  using Gather = RowGather<BM, 128, GATED>;
+  static_assert(B_ROWS == 256, "one m64n256k16 wgmma covers the weight tile");
 
   extern __shared__ unsigned char smem[];
   __shared__ int stage_work[STAGES];  // the tile whose first K-tile a stage holds; -1: no more tiles
   __shared__ int claimed[2];          // the producer's last two claims, for its 128 threads
   const u32 s_a = (smem_addr(smem) + 1023) & ~1023u;  // the swizzle repeats every 1024 bytes
-  const u32 s_b = s_a + STAGES * Loader::A_BYTES;
-  const u32 full = s_b + STAGES * Loader::B_BYTES;  // STAGES mbarriers of 8 bytes, then STAGES "empty"
+  const u32 s_b = s_a + STAGES * A_BYTES;
+  const u32 full = s_b + STAGES * B_BYTES;  // STAGES mbarriers of 8 bytes, then STAGES "empty"
   const u32 empty = full + 8 * STAGES;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbarrier_init(full + 8 * s, 128 + 1);        // each producer thread's copies, and stage_work
+      mbarrier_init(full + 8 * s, 128 + 1);        // each producer thread's copies, and the TMA
       mbarrier_init(empty + 8 * s, CONSUMERS * 4);  // one arrival per consumer warp
     }
   }
@@ -65,14 +68,19 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
       }
       Tile tile;
       find_tile<BM, BN>(work, m_tiles, offsets, tile_offsets, num_experts, n_out, tile);
-      const Loader loader(tile, sorted_slots, top_k, w, n_out, k_dim);
+      const Gather gather(tile, sorted_slots, top_k);
+      const int w_row = tile.expert * (GATED ? 2 * n_out : n_out) + tile.n0;  // the tile's first weight row
       for (int kt = 0; kt < k_tiles; ++kt) {
         mbarrier_wait(empty + 8 * stage, phase ^ 1);
-        loader.load(s_a + stage * Loader::A_BYTES, s_b + stage * Loader::B_BYTES, a, n_out, k_dim, kt);
+        gather.load(s_a + stage * A_BYTES, a, k_dim, kt);
         mbarrier_arrive_after_cp_async(full + 8 * stage);
         if (threadIdx.x == 0) {
           if (kt == 0) stage_work[stage] = work;
-          mbarrier_arrive(full + 8 * stage);
+          mbarrier_arrive_expect_tx(full + 8 * stage, B_BYTES);
+          for (int row = 0; row < B_ROWS; row += BOX_ROWS) {
+            const int skip = (GATED && row >= BN) ? n_out - BN : 0;  // rows from BN on: the up projection
+            tma_load_2d(s_b + stage * B_BYTES + row * 128, w_map, kt * BK, w_row + row + skip, full + 8 * stage);
+          }
         }
         advance();
       }
@@ -96,8 +104,8 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
       if (kt > 0) mbarrier_wait(full + 8 * stage, phase);
       if (active) {
         fence_proxy_async();  // the producer's cp.async writes, seen by wgmma's async proxy
-        const u32 sa = s_a + stage * Loader::A_BYTES + consumer * 64 * 128;
-        const u32 sb = s_b + stage * Loader::B_BYTES;
+        const u32 sa = s_a + stage * A_BYTES + consumer * 64 * 128;
+        const u32 sb = s_b + stage * B_BYTES;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk)

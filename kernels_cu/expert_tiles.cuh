@@ -46,43 +46,61 @@ __device__ __forceinline__ bool find_tile(int work, int m_tiles, const int* offs
   return true;
 }
 
-// What one thread copies for a tile: 16-byte chunk (threadIdx.x % 8) of rows threadIdx.x / 8 + i * ROW_STEP.
-// load() copies K-tile kt into a pipeline stage. Kept small (row indices, one weight pointer): the
-// persistent kernel's loading warpgroup holds one in 88 registers.
-template <int BM, int BN, int THREADS, bool GATED>
-struct TileLoader {
-  static constexpr int B_ROWS = GATED ? 2 * BN : BN;
+// The A rows of a tile one thread copies: 16-byte chunk (threadIdx.x % 8) of rows
+// threadIdx.x / 8 + i * ROW_STEP. load() copies K-tile kt into a pipeline stage. Kept small (row
+// indices only): the persistent kernel's loading warpgroup holds one in 88 registers.
+template <int BM, int THREADS, bool GATED>
+struct RowGather {
   static constexpr int ROW_STEP = THREADS / 8;
   static constexpr int A_ITERS = BM / ROW_STEP;
-  static constexpr int B_ITERS = B_ROWS / ROW_STEP;
-  static constexpr int A_BYTES = BM * 128, B_BYTES = B_ROWS * 128;  // one stage
-  static_assert(A_ITERS * ROW_STEP == BM && B_ITERS * ROW_STEP == B_ROWS && BN % ROW_STEP == 0,
-                "loader shape");
+  static constexpr int A_BYTES = BM * 128;  // one stage
+  static_assert(A_ITERS * ROW_STEP == BM, "gather shape");
 
   int a_row[A_ITERS];  // row of a (x or h) for each A row this thread loads; -1: past the expert
-  const u16* b_src;    // this thread's first weight row and chunk
 
-  __device__ __forceinline__ TileLoader(const Tile& t, const int* sorted_slots, int top_k, const u16* w,
-                                        int n_out, int k_dim) {
+  __device__ __forceinline__ RowGather(const Tile& t, const int* sorted_slots, int top_k) {
     const int r0 = threadIdx.x >> 3;
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i) {
       const int r = r0 + i * ROW_STEP;
       a_row[i] = r >= t.rows ? -1 : GATED ? sorted_slots[t.slot_base + r] / top_k : t.slot_base + r;
     }
-    const long long w_rows = GATED ? 2LL * n_out : n_out;
-    b_src = w + (t.expert * w_rows + t.n0 + r0) * k_dim + (threadIdx.x & 7) * 8;
   }
 
-  __device__ __forceinline__ void load(u32 s_a, u32 s_b, const u16* a, int n_out, int k_dim, int kt) const {
+  __device__ __forceinline__ void load(u32 s_a, const u16* a, int k_dim, int kt) const {
     const int r0 = threadIdx.x >> 3, chunk = threadIdx.x & 7, k0 = kt * BK + chunk * 8;
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i)
       cp_async_16(s_a + swizzled_offset(r0 + i * ROW_STEP, chunk),
                   a + (long long)max(a_row[i], 0) * k_dim + k0, a_row[i] >= 0);
+  }
+};
+
+// A tile's A rows and its B rows (the weights), by cp.async.
+template <int BM, int BN, int THREADS, bool GATED>
+struct TileLoader {
+  using Gather = RowGather<BM, THREADS, GATED>;
+  static constexpr int B_ROWS = GATED ? 2 * BN : BN;
+  static constexpr int B_ITERS = B_ROWS / Gather::ROW_STEP;
+  static constexpr int A_BYTES = Gather::A_BYTES, B_BYTES = B_ROWS * 128;  // one stage
+  static_assert(B_ITERS * Gather::ROW_STEP == B_ROWS && BN % Gather::ROW_STEP == 0, "loader shape");
+
+  Gather rows;
+  const u16* b_src;  // this thread's first weight row and chunk
+
+  __device__ __forceinline__ TileLoader(const Tile& t, const int* sorted_slots, int top_k, const u16* w,
+                                        int n_out, int k_dim)
+      : rows(t, sorted_slots, top_k) {
+    const long long w_rows = GATED ? 2LL * n_out : n_out;
+    b_src = w + (t.expert * w_rows + t.n0 + (threadIdx.x >> 3)) * k_dim + (threadIdx.x & 7) * 8;
+  }
+
+  __device__ __forceinline__ void load(u32 s_a, u32 s_b, const u16* a, int n_out, int k_dim, int kt) const {
+    rows.load(s_a, a, k_dim, kt);
+    const int r0 = threadIdx.x >> 3, chunk = threadIdx.x & 7;
 #pragma unroll
     for (int i = 0; i < B_ITERS; ++i) {
-      const int r = i * ROW_STEP;  // GATED: rows from BN on are the up projection, n_out rows further
+      const int r = i * Gather::ROW_STEP;  // GATED: rows from BN on are the up projection, n_out rows further
       const long long skip = (GATED && r >= BN) ? n_out - BN : 0;
       cp_async_16(s_b + swizzled_offset(r0 + r, chunk), b_src + (r + skip) * k_dim + kt * BK, true);
     }

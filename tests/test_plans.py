@@ -38,11 +38,17 @@ def test_sm80_and_sm90_plans_are_precompiled(cc):
 
 def test_small_shared_memory_cuts_stages_only():
     """On a 99 KiB GPU the deep small-tile pipelines lose stages; tile shapes stay."""
-    roomy = experts.plan(1, 8, 256, 4096, 1024, 80, SHARED_LIMITS[80])
-    tight = experts.plan(1, 8, 256, 4096, 1024, 86, SHARED_LIMITS[86])
+    roomy = experts.plan(256, 8, 256, 4096, 1024, 80, SHARED_LIMITS[80])
+    tight = experts.plan(256, 8, 256, 4096, 1024, 86, SHARED_LIMITS[86])
     assert roomy.gate_up.shared_bytes(True) > SHARED_LIMITS[86]
     assert tight.gate_up.stages < roomy.gate_up.stages
     assert (tight.gate_up.block_m, tight.gate_up.block_n) == (roomy.gate_up.block_m, roomy.gate_up.block_n)
+
+
+def test_narrow_gate_up_tiles_up_to_two_rows_per_expert():
+    assert experts.plan(64, 8, 256, 4096, 1024, 90, SHARED_LIMITS[90]).gate_up.block_n == 32
+    assert experts.plan(65, 8, 256, 4096, 1024, 90, SHARED_LIMITS[90]).gate_up.block_n == 64
+    assert experts.plan(1, 8, 256, 4096, 1024, 80, SHARED_LIMITS[80]).gate_up.block_n == 32
 
 
 def test_persistent_kernel_above_48_rows_per_expert_on_sm90():
