@@ -95,14 +95,17 @@ for tool in "${TOOLS[@]}"; do
     # shellcheck disable=SC2086  # SANITIZE_PYTEST is a list of arguments
     sanitize "$tool" "$log" "$PYTHON" -m pytest -q -p no:cacheprovider $SANITIZE_PYTEST || status=$?
   fi
-  summaries=$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log")
-  found=$(printf '%s' "$summaries" | grep -c 'ERROR SUMMARY')
-  errors=$(printf '%s\n' "$summaries" | awk '{ n += $3 } END { print n + 0 }')
+  # racecheck ends a run with "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)",
+  # the other tools with "ERROR SUMMARY: E errors".
+  found=$(grep -Ec '(ERROR|RACECHECK) SUMMARY' "$log")
+  errors=$( (grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log" | awk '{ print $3 }'
+             grep -Eo 'RACECHECK SUMMARY: .*\([0-9]+ error' "$log" | grep -Eo '[0-9]+ error$' | awk '{ print $1 }') |
+            awk '{ n += $1 } END { print n + 0 }')
   hazards=$(grep -Eo 'RACECHECK SUMMARY: [0-9]+ hazard' "$log" | awk '{ n += $3 } END { print n + 0 }')
   line="$tool: $errors errors"
   [ "$hazards" -gt 0 ] && line="$line, $hazards race hazards"
   if [ "$found" -lt "$runs" ]; then
-    line="$line (only $found of $runs runs printed an ERROR SUMMARY)"
+    line="$line (only $found of $runs runs printed a summary)"
   fi
   echo "$line (exit $status, $((SECONDS - start)) s, log $log)"
   if [ "$errors" -ne 0 ] || [ "$hazards" -ne 0 ] || [ "$found" -lt "$runs" ] || [ "$status" -ne 0 ]; then
