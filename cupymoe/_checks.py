@@ -15,6 +15,7 @@ FLOAT32 = np.dtype(np.float32)
 ACTIVATION_DTYPES = (BFLOAT16, FLOAT16)
 ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 ALIGNMENT = 64  # H and I must be multiples of this (the kernels' K tile)
+GPU_ALIGNMENT = 16  # bytes: where x, the weights and out must start on the GPU
 
 
 def _cupy():
@@ -94,6 +95,16 @@ def check_array(a, name: str, ndim: int, dtypes) -> None:
 def require_contiguous(a, name: str) -> None:
     if not a.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array (strides {a.strides})")
+
+
+def require_aligned(a, name: str) -> None:
+    """A GPU array whose data starts on the 16-byte grid that the kernels' loads and stores need."""
+    address = a.data.ptr
+    if address % GPU_ALIGNMENT:
+        raise ValueError(
+            f"{name}: expected data aligned to {GPU_ALIGNMENT} bytes (the kernels move 16 bytes at a "
+            f"time), got address 0x{address:x}, a view off that grid; pass a copy"
+        )
 
 
 @dataclass(frozen=True)

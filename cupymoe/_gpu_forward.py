@@ -45,6 +45,8 @@ def forward(a: dict, shape: _checks.Shape, workspace: Workspace, out, check_ids:
     ids = cupy.ascontiguousarray(a["topk_ids"])
     weights = cupy.ascontiguousarray(a["topk_weights"])
     x = cupy.ascontiguousarray(a["x"])
+    if x.data.ptr % _checks.GPU_ALIGNMENT:  # a contiguous view off the 16-byte grid
+        x = x.copy()
     ws = workspace
     launch_dispatch(ids, ws.dispatch)
     experts.gate_up(x, a["w13"], ws.dispatch, ws.h, shape, ws.plan.gate_up)

@@ -17,6 +17,10 @@ def _prepare(xp, a, w13, w2, out):
     if out is not None:
         device_id = None if xp is np else a["x"].device.id
         _checks.check_out(out, xp, (shape.tokens, shape.hidden), shape.dtype, device_id)
+    if xp is not np:  # x is realigned by a copy if needed (_gpu_forward), these cannot be
+        for name, array in (("w13", w13), ("w2", w2), ("out", out)):
+            if array is not None:
+                _checks.require_aligned(array, name)
     return shape
 
 
@@ -57,7 +61,9 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
     TypeError
         Wrong array type or dtype, or host and GPU arrays mixed.
     ValueError
-        Wrong rank or shape, unsupported sizes, arrays on different GPUs, bad ids.
+        Wrong rank or shape, unsupported sizes, arrays on different GPUs, bad ids, or GPU
+        ``w13``, ``w2`` or ``out`` data not starting on a 16-byte boundary (every allocation
+        and every slice of whole rows does; a flat view may not).
     """
     xp, a = _coerce(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights)
     shape = _prepare(xp, a, a["w13"], a["w2"], out)

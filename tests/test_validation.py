@@ -301,3 +301,53 @@ def test_host_out_for_gpu_inputs(problem):
     p = {n: cupy.asarray(a) for n, a in problem.items()}
     with pytest.raises(TypeError, match=leads_with("out")):
         cupymoe.fused_experts(**p, out=np.zeros((T, H), BF16))
+
+
+class FakeDeviceArray:
+    def __init__(self, address):
+        self.data = type("Memory", (), {"ptr": address})()
+
+
+@pytest.mark.parametrize("address", [0x7F0000000002, 0x7F0000000008])
+def test_off_grid_gpu_data_is_a_value_error(address):
+    with pytest.raises(ValueError, match=leads_with("w13") + ".*16 bytes.*0x7f000000000"):
+        _checks.require_aligned(FakeDeviceArray(address), "w13")
+    _checks.require_aligned(FakeDeviceArray(0x7F0000000010), "w13")
+
+
+def off_grid(a):
+    """A C-contiguous CuPy copy of ``a`` whose data starts 2 bytes past a 16-byte boundary."""
+    import cupy
+
+    flat = cupy.empty(a.size + 8, a.dtype)
+    view = flat[1:1 + a.size].reshape(a.shape)
+    view[...] = cupy.asarray(a)
+    return view
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["w13", "w2", "out"])
+def test_off_grid_weights_and_out_are_value_errors(problem, name):
+    import cupy
+
+    p = {n: cupy.asarray(a) for n, a in problem.items()}
+    out = cupy.zeros((T, H), BF16)
+    if name == "out":
+        out = off_grid(out)
+    else:
+        p[name] = off_grid(p[name])
+    with pytest.raises(ValueError, match=leads_with(name) + ".*16 bytes"):
+        cupymoe.fused_experts(**p, out=out)
+    if name != "out":
+        with pytest.raises(ValueError, match=leads_with(name)):
+            cupymoe.MoE(p["w13"], p["w2"])(p["x"], p["topk_ids"], p["topk_weights"])
+
+
+@pytest.mark.gpu
+def test_off_grid_x_is_copied(problem):
+    import cupy
+
+    p = {n: cupy.asarray(a) for n, a in problem.items()}
+    want = cupymoe.fused_experts(**p)
+    got = cupymoe.fused_experts(**dict(p, x=off_grid(p["x"])))
+    assert np.array_equal(cupy.asnumpy(got).view(np.uint16), cupy.asnumpy(want).view(np.uint16))
