@@ -7,8 +7,9 @@
 //   GATED (gate/up):  A rows are gathered from x through sorted_slots; the B tile holds gate rows
 //                     [n0, n0+BN) then up rows [N+n0, N+n0+BN) of w13[e]; C is h [S, N], N = I.
 //   !GATED (down):    A rows are this expert's rows of h; B holds rows [n0, n0+BN) of w2[e]; C is y [S, N].
-// K streams in tiles of BK = 64 through cp.async into 128-byte-swizzled shared tiles, the layout both
-// ldmatrix (conflict-free) and wgmma (128B swizzle mode) read.
+// K streams in tiles of BK = 64 through cp.async (and TMA, for the persistent kernel's weights) into
+// 128-byte-swizzled shared tiles, the layout ldmatrix (conflict-free), wgmma (128B swizzle mode)
+// and TMA (SWIZZLE_128B) share.
 #pragma once
 #include "common.cuh"
 
@@ -85,18 +86,18 @@ struct TileLoader {
   static constexpr int A_BYTES = Gather::A_BYTES, B_BYTES = B_ROWS * 128;  // one stage
   static_assert(B_ITERS * Gather::ROW_STEP == B_ROWS && BN % Gather::ROW_STEP == 0, "loader shape");
 
-  Gather rows;
+  Gather gather;
   const u16* b_src;  // this thread's first weight row and chunk
 
   __device__ __forceinline__ TileLoader(const Tile& t, const int* sorted_slots, int top_k, const u16* w,
                                         int n_out, int k_dim)
-      : rows(t, sorted_slots, top_k) {
+      : gather(t, sorted_slots, top_k) {
     const long long w_rows = GATED ? 2LL * n_out : n_out;
     b_src = w + (t.expert * w_rows + t.n0 + (threadIdx.x >> 3)) * k_dim + (threadIdx.x & 7) * 8;
   }
 
   __device__ __forceinline__ void load(u32 s_a, u32 s_b, const u16* a, int n_out, int k_dim, int kt) const {
-    rows.load(s_a, a, k_dim, kt);
+    gather.load(s_a, a, k_dim, kt);
     const int r0 = threadIdx.x >> 3, chunk = threadIdx.x & 7;
 #pragma unroll
     for (int i = 0; i < B_ITERS; ++i) {
