@@ -50,14 +50,23 @@ def _kernel(name: str, device_id: int, shared_bytes: int):
     return kernel
 
 
+def fused_shared_bytes(experts: int) -> int:
+    return 2 * FUSED_WARPS * experts * 4  # per-warp counters, then per-warp starts
+
+
+def fused_fits(slots: int, experts: int, shared_limit: int) -> bool:
+    """Whether dispatch_fused takes S slots over E experts on a GPU with ``shared_limit`` bytes."""
+    return slots <= FUSED_MAX_SLOTS and fused_shared_bytes(experts) <= min(FUSED_MAX_SHARED, shared_limit)
+
+
 def launch(ids, buffers: DispatchBuffers) -> None:
     """Fill ``buffers`` from contiguous ids [T, k] (int32 or int64) on the current stream."""
     b = buffers
     id_type = "int" if ids.dtype == np.int32 else "long long"
     device_id = ids.device.id
     slots, experts = np.int64(b.slots), np.int32(b.experts)
-    fused_bytes = 2 * FUSED_WARPS * b.experts * 4
-    if b.slots <= FUSED_MAX_SLOTS and fused_bytes <= FUSED_MAX_SHARED:
+    fused_bytes = fused_shared_bytes(b.experts)
+    if fused_fits(b.slots, b.experts, _compile.shared_memory_limit(device_id)):
         _kernel(f"dispatch_fused<{id_type}>", device_id, fused_bytes)(
             (1,), (32 * FUSED_WARPS,),
             (ids, slots, experts, b.counts, b.offsets, np.int32(b.block_m_gate_up), b.tiles_gate_up,

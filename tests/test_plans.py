@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from cupymoe import _checks, experts
+from cupymoe import _checks, _gpu_dispatch, experts
 
 SHARED_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 120: 99 * 1024}
 TOKENS = (1, 4, 16, 64, 256, 512, 1024, 2048, 4096, 8192)
@@ -55,3 +55,12 @@ def test_persistent_kernel_above_48_rows_per_expert_on_sm90():
     assert experts.plan(1600, 8, 256, 4096, 1024, 90, SHARED_LIMITS[90]).gate_up.kernel == experts.PERSISTENT
     assert experts.plan(1536, 8, 256, 4096, 1024, 90, SHARED_LIMITS[90]).gate_up.kernel == experts.MMA
     assert experts.plan(8192, 8, 256, 4096, 1024, 80, SHARED_LIMITS[80]).gate_up.kernel == experts.MMA
+
+
+def test_one_block_dispatch_only_where_its_shared_memory_fits():
+    assert _gpu_dispatch.fused_fits(4096, 256, SHARED_LIMITS[86])
+    assert not _gpu_dispatch.fused_fits(4097, 256, SHARED_LIMITS[90])  # three kernels from here
+    experts_99k = SHARED_LIMITS[86] // _gpu_dispatch.fused_shared_bytes(1)
+    assert _gpu_dispatch.fused_fits(64, experts_99k, SHARED_LIMITS[86])
+    assert not _gpu_dispatch.fused_fits(64, experts_99k + 1, SHARED_LIMITS[86])
+    assert _gpu_dispatch.fused_fits(64, experts_99k + 1, SHARED_LIMITS[90])
