@@ -13,6 +13,7 @@ WGMMA_COMPUTE_CAPABILITY = 90
 MMA, PERSISTENT = "mma", "persistent"
 SOURCES = {MMA: "expert_gemm.cu", PERSISTENT: "expert_gemm_ws.cu"}
 PRODUCER_THREADS = 128  # the persistent kernel's loading warpgroup
+STAGED_SLOTS = 32  # slots per pass of the persistent kernel's epilogue (its STAGED_SLOTS)
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,9 @@ class GemmConfig:
     warps_m: int
     warps_n: int
     stages: int  # shared-memory pipeline depth
-    # MMA: expert_gemm (mma.sync, sm_80+). PERSISTENT: expert_gemm_ws (sm_90a): warps_m / 4 wgmma
-    # warpgroups of 64 rows each, plus a loading warpgroup.
+    # MMA: expert_gemm (mma.sync, sm_80+). PERSISTENT: expert_gemm_ws (sm_90a), a loading
+    # warpgroup and two wgmma warpgroups (warps_m = 8), each multiplying half the tile's weight
+    # rows by all block_m slots.
     kernel: str = MMA
 
     @property
@@ -34,7 +36,7 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n + (PRODUCER_THREADS if self.kernel == PERSISTENT else 0)
+        return 32 * self.warps_m * self.warps_n + (0 if self.kernel == MMA else PRODUCER_THREADS)
 
     def shared_bytes(self, gated: bool) -> int:
         weight_rows = 2 * self.block_n if gated else self.block_n
@@ -42,13 +44,14 @@ class GemmConfig:
         if self.kernel == MMA:
             return stages
         barriers = 16 * self.stages  # a full and an empty mbarrier per stage
-        return stages + 1024 + barriers  # stages are aligned to 1 KiB
+        staging = 2 * STAGED_SLOTS * (self.block_n + 16)  # the epilogue's: each consumer's half of the columns
+        return stages + 1024 + barriers + staging  # stages are aligned to 1 KiB
 
     def name_expression(self, dtype, gated: bool) -> str:
         tag = "bf16" if dtype == _checks.BFLOAT16 else "f16"
         flag = "true" if gated else "false"
         if self.kernel == PERSISTENT:
-            return f"expert_gemm_ws<{tag},{self.warps_m // 4},{self.block_n},{self.stages},{flag}>"
+            return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{flag}>"
         return (f"expert_gemm<{tag},{self.block_m},{self.block_n},{self.warps_m},{self.warps_n},"
                 f"{self.stages},{flag}>")
 
@@ -59,27 +62,31 @@ class Plan:
     down: GemmConfig
 
 
-def _persistent_plan(warpgroups: int, stages: int) -> Plan:
-    """m64n256 wgmma per MMA warpgroup: gate/up 128 columns of gate and of up, down 256 columns."""
-    block_m, warps_m = 64 * warpgroups, 4 * warpgroups
-    return Plan(GemmConfig(block_m, 128, warps_m, 1, stages, PERSISTENT),
-                GemmConfig(block_m, 256, warps_m, 1, stages, PERSISTENT))
+def _persistent_plan(block_m: int, stages: int) -> Plan:
+    """expert_gemm_ws: 256 weight rows per tile, so gate/up 128 columns (of gate and of up), down 256."""
+    return Plan(GemmConfig(block_m, 128, 8, 1, stages, PERSISTENT),
+                GemmConfig(block_m, 256, 8, 1, stages, PERSISTENT))
 
 
-# By the average number of slots per expert that has any: weight streaming dominates below a few
-# dozen rows (small block_m, deep pipeline), arithmetic above (wgmma where the GPU has it). At one
-# or two rows, narrower gate/up tiles spread the weights over twice the blocks (NOTES.md, v6).
+# By the average number of slots per expert that has any. At one or two rows, narrow mma.sync
+# gate/up tiles spread the weights over the most blocks (NOTES.md, v6); up to a dozen, 16-row
+# tiles. Beyond, on Hopper, the persistent wgmma kernel streams the weights by TMA, its slot
+# count (the MMA's N) the smallest that holds most experts whole (NOTES.md, v7); elsewhere,
+# mma.sync tiles of 32 to 128 rows.
 _TINY = Plan(GemmConfig(16, 32, 1, 2, 8), GemmConfig(16, 64, 1, 4, 6))
 _SMALL = Plan(GemmConfig(16, 64, 1, 4, 6), GemmConfig(16, 64, 1, 4, 6))
 _MEDIUM_32 = Plan(GemmConfig(32, 64, 2, 2, 5), GemmConfig(32, 128, 1, 4, 5))
 _MEDIUM = Plan(GemmConfig(64, 64, 2, 2, 4), GemmConfig(64, 128, 2, 2, 4))
 _LARGE = Plan(GemmConfig(128, 64, 4, 2, 3), GemmConfig(128, 128, 4, 2, 3))
-_PERSISTENT = _persistent_plan(2, 4)
+_PERSISTENT_64 = _persistent_plan(64, 5)
+_PERSISTENT_96 = _persistent_plan(96, 4)
+_PERSISTENT_128 = _persistent_plan(128, 4)
 TINY_ROWS = 2  # beyond, a skewed routing's busy experts favour the wider tiles
 SMALL_ROWS = 12
 MEDIUM_32_ROWS = 24
 MEDIUM_ROWS = 64
-MEDIUM_ROWS_SM90 = 48  # the persistent wgmma kernel already wins at 64 rows per expert (NOTES.md)
+PERSISTENT_64_ROWS = 48
+PERSISTENT_96_ROWS = 80
 # Opt-in shared memory per block on sm_86, sm_89 and sm_120; sm_80 has 163 KiB, sm_90 227 KiB.
 SHARED_LIMIT_SMALLEST = 99 * 1024
 
@@ -111,12 +118,18 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
         chosen = _TINY
     elif rows_per_expert <= SMALL_ROWS:
         chosen = _SMALL
+    elif sm90 and rows_per_expert <= PERSISTENT_64_ROWS:
+        chosen = _PERSISTENT_64
+    elif sm90 and rows_per_expert <= PERSISTENT_96_ROWS:
+        chosen = _PERSISTENT_96
+    elif sm90:
+        chosen = _PERSISTENT_128
     elif rows_per_expert <= MEDIUM_32_ROWS:
         chosen = _MEDIUM_32
-    elif rows_per_expert <= (MEDIUM_ROWS_SM90 if sm90 else MEDIUM_ROWS):
+    elif rows_per_expert <= MEDIUM_ROWS:
         chosen = _MEDIUM
     else:
-        chosen = _PERSISTENT if sm90 else _LARGE
+        chosen = _LARGE
     return Plan(_fit_shared(_fit(chosen.gate_up, _LARGE.gate_up, intermediate), True, shared_limit),
                 _fit_shared(_fit(chosen.down, _LARGE.down, hidden), False, shared_limit))
 
@@ -125,7 +138,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
 def name_expressions(source: str, dtype) -> tuple:
     """Every instantiation in ``source`` the plans use on sm_80 and sm_90 for one dtype (one module)."""
     names = []
-    for p in (_TINY, _SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT):
+    for p in (_TINY, _SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT_64, _PERSISTENT_96, _PERSISTENT_128):
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
             for variant in (cfg, _fit(cfg, _LARGE.gate_up if gated else _LARGE.down, K_TILE)):
                 if variant.source == source:

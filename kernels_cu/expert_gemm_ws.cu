@@ -1,12 +1,15 @@
-// Per-expert GEMMs on Hopper (sm_90a): persistent, warp-specialised wgmma kernel for large tiles.
+// Per-expert GEMMs on Hopper (sm_90a): persistent, warp-specialised wgmma kernel, operands swapped
+// (the weights are the MMA's rows, a tile's slots its columns).
 // Warpgroup 0 produces: it claims tiles from a device-side counter (zeroed by the dispatch scan),
-// gathers each tile's A rows with cp.async (expert_tiles.cuh) and loads its weight tile by TMA,
-// through STAGES shared stages handed over by full and empty mbarriers. Warpgroups 1..CONSUMERS
-// consume: each owns 64 rows of the BM-row tile and multiplies them by the whole 256-row weight
-// tile with m64n256k16 (gate/up: BN = 128 gate rows then 128 up rows; down: BN = 256), keeping one
-// K-tile of MMAs in flight. No warp waits on a block-wide barrier, and the producer fills the next
-// tile's stages while the consumers run the epilogue. Each tile is computed by one warpgroup pair
-// in a fixed K order, so which block claims it does not change a bit of the result.
+// gathers each tile's SLOTS A rows (slots of x or h) with cp.async (expert_tiles.cuh) and loads its
+// 256-row weight tile by TMA (gate/up: 128 gate rows then 128 up rows; down: 256 rows), through
+// STAGES shared stages handed over by full and empty mbarriers. Warpgroups 1 and 2 consume, keeping
+// one K-tile of MMAs in flight: each owns 128 of the weight rows as two m64 blocks and multiplies
+// them by all SLOTS slots (m64nSLOTSk16), so an expert's few rows do not pad the MMA to 64. Gate/up
+// pairs each gate block with its up block, so SwiGLU has both in one thread.
+// No warp waits on a block-wide barrier, and the producer fills the next tile's stages while the
+// consumers run the epilogue. Each tile is computed by one block in a fixed K order, so which
+// block claims it does not change a bit of the result.
 #include "expert_tiles.cuh"
 #include "mbarrier.cuh"
 #include "tma.cuh"
@@ -15,18 +18,81 @@
 // 128 * 88 + 256 * 208 = 384 * 168, what two consumers' launch holds; 88 keeps the loader unspilled.
 constexpr int PRODUCER_REGISTERS = 88;
 constexpr int CONSUMER_REGISTERS = 208;
-constexpr int BOX_ROWS = 128;  // weight rows per TMA box (cupymoe/_tma.py encodes the same)
+constexpr int CONSUMERS = 2;
+constexpr int WEIGHT_ROWS = 256;  // weight rows per tile
+constexpr int BOX_ROWS = 128;     // weight rows per TMA box (cupymoe/_tma.py encodes the same)
+constexpr int STAGED_SLOTS = 32;  // slots per pass of the epilogue (cupymoe/experts.py: STAGED_SLOTS)
 
-template <class T, int CONSUMERS, int BN, int STAGES, bool GATED>
+// One consumer's share of a tile: accumulators, MMAs and epilogue.
+template <class T, int SLOTS, bool GATED>
+struct ConsumerTile {
+  static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns per tile
+  static constexpr int COLUMNS = BN / CONSUMERS;                    // ... per consumer
+  static constexpr int SECOND_BLOCK = GATED ? BN : 64;  // shared rows from a consumer's first block to its second
+  static constexpr int PITCH = 2 * COLUMNS + 16;  // bytes per staged slot row; the 16 spreads the banks
+  static constexpr int STAGING_BYTES = STAGED_SLOTS * PITCH;
+  static_assert(SLOTS % STAGED_SLOTS == 0, "whole passes");
+  float acc[2][SLOTS / 2];  // m64nSLOTS, twice: weight rows r and r + 8 of 8-slot block i at 4i + {0, 1} and 4i + {2, 3}
+
+  __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer, bool accumulate) {
+    const u32 w0 = s_b + consumer * COLUMNS * 128, w1 = w0 + SECOND_BLOCK * 128;
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      Wgmma<T, SLOTS>::mma(acc[0], wgmma_desc(w0 + kk * 32), wgmma_desc(s_a + kk * 32), accumulate || kk > 0);
+      Wgmma<T, SLOTS>::mma(acc[1], wgmma_desc(w1 + kk * 32), wgmma_desc(s_a + kk * 32), accumulate || kk > 0);
+    }
+  }
+
+  // The accumulators' rows are output columns: stmatrix transposes them into this consumer's
+  // staging rows, STAGED_SLOTS slots at a time, which its warpgroup writes out in 16-byte pieces.
+  __device__ __forceinline__ void store(u16* c, const Tile& tile, int consumer, int n_out, unsigned char* staging) const {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, m = lane >> 3;
+    // Matrix m of each stmatrix: (8-slot step, half) for gate/up, (block, half) for down.
+    const int half = m & 1, step = GATED ? m >> 1 : 0, block = GATED ? 0 : m >> 1;
+    const u32 lane_row = smem_addr(staging) + (8 * step + (lane & 7)) * PITCH + (block * 64 + 16 * warp + 8 * half) * 2;
+    constexpr int CHUNKS = COLUMNS / 8;  // 16-byte pieces per slot row
+#pragma unroll
+    for (int pass = 0; pass < SLOTS / STAGED_SLOTS; ++pass) {
+#pragma unroll
+      for (int j = 0; j < STAGED_SLOTS / 8; j += GATED ? 2 : 1) {
+        const int i = pass * STAGED_SLOTS / 8 + j;
+        if constexpr (GATED)
+          stmatrix_x4_trans(lane_row + 8 * j * PITCH, swiglu(i, 0), swiglu(i, 1), swiglu(i + 1, 0), swiglu(i + 1, 1));
+        else
+          stmatrix_x4_trans(lane_row + 8 * j * PITCH, pair(0, i, 0), pair(0, i, 1), pair(1, i, 0), pair(1, i, 1));
+      }
+      named_barrier_sync(2 + consumer, 128);
+      for (int piece = threadIdx.x & 127; piece < STAGED_SLOTS * CHUNKS; piece += 128) {
+        const int row = piece / CHUNKS, chunk = piece % CHUNKS, slot = pass * STAGED_SLOTS + row;
+        if (slot < tile.rows)
+          *reinterpret_cast<uint4*>(c + (long long)(tile.slot_base + slot) * n_out + tile.n0 + consumer * COLUMNS + 8 * chunk) =
+              *reinterpret_cast<const uint4*>(staging + row * PITCH + 16 * chunk);
+      }
+      named_barrier_sync(2 + consumer, 128);  // the staging rows are free again
+    }
+  }
+
+ private:
+  // Slots 8i + 2 (lane % 4) + {0, 1} of weight row r + 8 half of an accumulator, packed.
+  __device__ __forceinline__ u32 pair(int block, int i, int half) const {
+    return Float16Traits<T>::pack(acc[block][4 * i + 2 * half], acc[block][4 * i + 2 * half + 1]);
+  }
+  __device__ __forceinline__ u32 swiglu(int i, int half) const {
+    const int v = 4 * i + 2 * half;
+    return Float16Traits<T>::pack(silu(acc[0][v]) * acc[1][v], silu(acc[0][v + 1]) * acc[1][v + 1]);
+  }
+};
+
+template <class T, int SLOTS, int STAGES, bool GATED>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                const __grid_constant__ TensorMap w_map, const int* __restrict__ offsets,
                int* __restrict__ tile_offsets, int num_experts, int n_out, int k_dim, u16* __restrict__ c) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int BM = 64 * CONSUMERS, B_ROWS = GATED ? 2 * BN : BN;
-  constexpr int A_BYTES = BM * 128, B_BYTES = B_ROWS * 128;  // one stage
-  using Gather = RowGather<BM, 128, GATED>;
-  static_assert(B_ROWS == 256, "one m64n256k16 wgmma covers the weight tile");
+  using Consumer = ConsumerTile<T, SLOTS, GATED>;
+  constexpr int BN = Consumer::BN;
+  constexpr int A_BYTES = SLOTS * 128, B_BYTES = WEIGHT_ROWS * 128;  // one stage
+  using Gather = RowGather<SLOTS, 128, GATED>;
 
   extern __shared__ unsigned char smem[];
   __shared__ int stage_work[STAGES];  // the tile whose first K-tile a stage holds; -1: no more tiles
@@ -35,6 +101,7 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   const u32 s_b = s_a + STAGES * A_BYTES;
   const u32 full = s_b + STAGES * B_BYTES;  // STAGES mbarriers of 8 bytes, then STAGES "empty"
   const u32 empty = full + 8 * STAGES;
+  unsigned char* staging = smem + (empty + 8 * STAGES - smem_addr(smem));  // the epilogue's, per consumer
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(full + 8 * s, 128 + 1);        // each producer thread's copies, and the TMA
@@ -67,7 +134,7 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
         break;
       }
       Tile tile;
-      find_tile<BM, BN>(work, m_tiles, offsets, tile_offsets, num_experts, n_out, tile);
+      find_tile<SLOTS, BN>(work, m_tiles, offsets, tile_offsets, num_experts, n_out, tile);
       const Gather gather(tile, sorted_slots, top_k);
       const int w_row = tile.expert * (GATED ? 2 * n_out : n_out) + tile.n0;  // the tile's first weight row
       for (int kt = 0; kt < k_tiles; ++kt) {
@@ -77,7 +144,7 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
         if (threadIdx.x == 0) {
           if (kt == 0) stage_work[stage] = work;
           mbarrier_arrive_expect_tx(full + 8 * stage, B_BYTES);
-          for (int row = 0; row < B_ROWS; row += BOX_ROWS) {
+          for (int row = 0; row < WEIGHT_ROWS; row += BOX_ROWS) {
             const int skip = (GATED && row >= BN) ? n_out - BN : 0;  // rows from BN on: the up projection
             tma_load_2d(s_b + stage * B_BYTES + row * 128, w_map, kt * BK, w_row + row + skip, full + 8 * stage);
           }
@@ -89,53 +156,30 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   }
 
   warpgroup_registers_inc<CONSUMER_REGISTERS>();
-  const int consumer = (threadIdx.x >> 7) - 1;  // rows 64 * consumer .. of each tile
+  const int consumer = (threadIdx.x >> 7) - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
-  float acc[128];  // m64n256: rows r, r + 8 of 256 columns
+  Consumer tile_acc;
   for (;;) {
     mbarrier_wait(full + 8 * stage, phase);
     const int work = stage_work[stage];
     if (work < 0) break;
     Tile tile;
-    find_tile<BM, BN>(work, m_tiles, offsets, tile_offsets, num_experts, n_out, tile);
-    const bool active = consumer * 64 < tile.rows;  // else all its rows are past the expert's last slot
+    find_tile<SLOTS, BN>(work, m_tiles, offsets, tile_offsets, num_experts, n_out, tile);
     int previous = -1;
     for (int kt = 0; kt < k_tiles; ++kt) {
       if (kt > 0) mbarrier_wait(full + 8 * stage, phase);
-      if (active) {
-        fence_proxy_async();  // the producer's cp.async writes, seen by wgmma's async proxy
-        const u32 sa = s_a + stage * A_BYTES + consumer * 64 * 128;
-        const u32 sb = s_b + stage * B_BYTES;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk)
-          Wgmma<T>::m64n256k16(acc, wgmma_desc(sa + kk * 32), wgmma_desc(sb + kk * 32), kt > 0 || kk > 0);
-        wgmma_commit();
-        wgmma_wait<1>();  // the previous K-tile's MMAs have retired: its stage can be refilled
-      }
+      fence_proxy_async();  // the producer's cp.async writes, seen by wgmma's async proxy
+      wgmma_fence();
+      tile_acc.mma(s_a + stage * A_BYTES, s_b + stage * B_BYTES, consumer, kt > 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous K-tile's MMAs have retired: its stage can be refilled
       if (previous >= 0 && warp_leader) mbarrier_arrive(empty + 8 * previous);
       previous = stage;
       advance();
     }
-    if (active) wgmma_wait<0>();
+    wgmma_wait<0>();
     if (warp_leader) mbarrier_arrive(empty + 8 * previous);
-    if (!active) continue;
-
-    // Accumulator layout: n8 block i holds columns 8i + 2 (lane % 4) + {0, 1} of rows r and r + 8.
-    const int r = consumer * 64 + ((threadIdx.x >> 5) & 3) * 16 + ((threadIdx.x & 31) >> 2);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      u32 packed[BN / 8];
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i) {
-        const float* v = acc + 4 * i + 2 * half;
-        if constexpr (GATED)  // gate column j is acc block j, its up column is BN / 8 blocks later
-          packed[i] = Float16Traits<T>::pack(silu(v[0]) * v[BN / 2], silu(v[1]) * v[BN / 2 + 1]);
-        else
-          packed[i] = Float16Traits<T>::pack(v[0], v[1]);
-      }
-      store_row(c, tile, r + half * 8, n_out, packed, r + half * 8 < tile.rows);
-    }
+    tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES);
   }
 #else
   __trap();  // compiled for a GPU without wgmma: the host never launches this

@@ -1,4 +1,4 @@
-// Hopper warpgroup MMA (wgmma, sm_90a): shared-memory descriptors, fences, and m64n256k16.
+// Hopper warpgroup MMA (wgmma, sm_90a): shared-memory descriptors, fences, m64nNk16 and stmatrix.
 #pragma once
 #include "common.cuh"
 
@@ -19,43 +19,83 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 // Orders this thread's generic-proxy shared-memory accesses (cp.async, st.shared) with async-proxy ones.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-// The accumulators of m64n256 (128 floats per thread), as PTX operands and as asm operands.
-#define CUPYMOE_WGMMA_D128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
-#define CUPYMOE_WGMMA_D128_OPERANDS \
+// Four 8x8 16-bit matrices in the mma fragment layout (lane holds row lane / 4, columns 2 (lane % 4)
+// + {0, 1} of each) stored transposed: row j of matrix m goes to the 16 bytes lane 8m + j points at.
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 m0, u32 m1, u32 m2, u32 m3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+               ::"r"(addr), "r"(m0), "r"(m1), "r"(m2), "r"(m3) : "memory");
+}
+
+// Accumulators in blocks of 16 (N / 2 per thread for m64nN, N <= 128): PTX names, asm operands.
+#define CUPYMOE_R0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define CUPYMOE_R1 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define CUPYMOE_R2 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+#define CUPYMOE_R3 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define CUPYMOE_F0 \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define CUPYMOE_F1 \
   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define CUPYMOE_F2 \
   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+#define CUPYMOE_F3 \
   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
-  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
-  "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
-  "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-  "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
-template <class T> struct Wgmma;
+// Per N: the accumulators' PTX names and asm operands, then the names of the descriptors and flag.
+#define CUPYMOE_REGS_64 CUPYMOE_R0 ", " CUPYMOE_R1
+#define CUPYMOE_OPS_64 CUPYMOE_F0, CUPYMOE_F1
+#define CUPYMOE_DESCS_64 "%32, %33"
+#define CUPYMOE_ACC_64 "%34"
+#define CUPYMOE_REGS_96 CUPYMOE_R0 ", " CUPYMOE_R1 ", " CUPYMOE_R2
+#define CUPYMOE_OPS_96 CUPYMOE_F0, CUPYMOE_F1, CUPYMOE_F2
+#define CUPYMOE_DESCS_96 "%48, %49"
+#define CUPYMOE_ACC_96 "%50"
+#define CUPYMOE_REGS_128 CUPYMOE_R0 ", " CUPYMOE_R1 ", " CUPYMOE_R2 ", " CUPYMOE_R3
+#define CUPYMOE_OPS_128 CUPYMOE_F0, CUPYMOE_F1, CUPYMOE_F2, CUPYMOE_F3
+#define CUPYMOE_DESCS_128 "%64, %65"
+#define CUPYMOE_ACC_128 "%66"
 
-// d[128] = A[64x16] * B[16x256]^T (+ d when accumulate), A and B K-major in 128B-swizzled shared
-// memory. PTX wants the operand type inside the instruction string, hence one macro for both types.
-#define CUPYMOE_WGMMA_M64N256K16(TYPE, PTX_TYPE) \
-  template <> struct Wgmma<TYPE> { \
-    static __device__ __forceinline__ void m64n256k16(float (&d)[128], u64 desc_a, u64 desc_b, bool accumulate) { \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" \
-                   "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_TYPE "." PTX_TYPE " " \
-                   CUPYMOE_WGMMA_D128 ", %128, %129, p, 1, 1, 0, 0;\n}\n" \
-                   : CUPYMOE_WGMMA_D128_OPERANDS \
+template <class T, int N> struct Wgmma;
+
+// d[N / 2] = A[64x16] * B[16xN]^T (+ d when accumulate), A and B K-major in 128B-swizzled shared
+// memory. PTX wants the operand type and N inside the instruction string, hence one macro for all.
+#define CUPYMOE_WGMMA(TYPE, PTX_TYPE, N) \
+  template <> struct Wgmma<TYPE, N> { \
+    static __device__ __forceinline__ void mma(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " CUPYMOE_ACC_##N ", 0;\n" \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE \
+                   " {" CUPYMOE_REGS_##N "}, " CUPYMOE_DESCS_##N ", p, 1, 1, 0, 0;\n}\n" \
+                   : CUPYMOE_OPS_##N \
                    : "l"(desc_a), "l"(desc_b), "r"(int(accumulate))); \
     } \
   };
+#define CUPYMOE_WGMMA_TYPE(TYPE, PTX_TYPE) \
+  CUPYMOE_WGMMA(TYPE, PTX_TYPE, 64) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 96) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 128)
 
-CUPYMOE_WGMMA_M64N256K16(bf16, "bf16")
-CUPYMOE_WGMMA_M64N256K16(f16, "f16")
-#undef CUPYMOE_WGMMA_M64N256K16
-#undef CUPYMOE_WGMMA_D128
-#undef CUPYMOE_WGMMA_D128_OPERANDS
+CUPYMOE_WGMMA_TYPE(bf16, "bf16")
+CUPYMOE_WGMMA_TYPE(f16, "f16")
+#undef CUPYMOE_R0
+#undef CUPYMOE_R1
+#undef CUPYMOE_R2
+#undef CUPYMOE_R3
+#undef CUPYMOE_F0
+#undef CUPYMOE_F1
+#undef CUPYMOE_F2
+#undef CUPYMOE_F3
+#undef CUPYMOE_REGS_64
+#undef CUPYMOE_OPS_64
+#undef CUPYMOE_DESCS_64
+#undef CUPYMOE_ACC_64
+#undef CUPYMOE_REGS_96
+#undef CUPYMOE_OPS_96
+#undef CUPYMOE_DESCS_96
+#undef CUPYMOE_ACC_96
+#undef CUPYMOE_REGS_128
+#undef CUPYMOE_OPS_128
+#undef CUPYMOE_DESCS_128
+#undef CUPYMOE_ACC_128
+#undef CUPYMOE_WGMMA
+#undef CUPYMOE_WGMMA_TYPE

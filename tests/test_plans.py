@@ -51,10 +51,24 @@ def test_narrow_gate_up_tiles_up_to_two_rows_per_expert():
     assert experts.plan(1, 8, 256, 4096, 1024, 80, SHARED_LIMITS[80]).gate_up.block_n == 32
 
 
-def test_persistent_kernel_above_48_rows_per_expert_on_sm90():
-    assert experts.plan(1600, 8, 256, 4096, 1024, 90, SHARED_LIMITS[90]).gate_up.kernel == experts.PERSISTENT
-    assert experts.plan(1536, 8, 256, 4096, 1024, 90, SHARED_LIMITS[90]).gate_up.kernel == experts.MMA
-    assert experts.plan(8192, 8, 256, 4096, 1024, 80, SHARED_LIMITS[80]).gate_up.kernel == experts.MMA
+def test_persistent_kernel_above_12_rows_per_expert_on_sm90():
+    """Its slot count (the MMA's N) grows with the rows per expert: 64, then 96, then 128."""
+    def gate_up(tokens, cc=90):
+        return experts.plan(tokens, 8, 256, 4096, 1024, cc, SHARED_LIMITS[cc]).gate_up
+    assert gate_up(384).kernel == experts.MMA
+    assert (gate_up(385).kernel, gate_up(385).block_m) == (experts.PERSISTENT, 64)
+    assert gate_up(1536).block_m == 64
+    assert gate_up(1537).block_m == 96
+    assert gate_up(2560).block_m == 96
+    assert gate_up(2561).block_m == 128
+    assert gate_up(8192, cc=80).kernel == experts.MMA
+
+
+def test_persistent_kernel_falls_back_where_its_tiles_do_not_divide():
+    """Gate/up tiles are 128 columns of I, down tiles 256 of H; else the mma.sync kernel."""
+    p = experts.plan(4096, 8, 256, 4096 + 64, 1024 + 64, 90, SHARED_LIMITS[90])
+    assert (p.gate_up.kernel, p.down.kernel) == (experts.MMA, experts.MMA)
+    assert p.gate_up.shared_bytes(True) <= SHARED_LIMITS[90]
 
 
 def test_one_block_dispatch_only_where_its_shared_memory_fits():
