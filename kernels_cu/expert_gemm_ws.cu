@@ -5,8 +5,9 @@
 // 256-row weight tile by TMA (gate/up: 128 gate rows then 128 up rows; down: 256 rows), through
 // STAGES shared stages handed over by full and empty mbarriers. Warpgroups 1 and 2 consume, keeping
 // one K-tile of MMAs in flight: each owns 128 of the weight rows as two m64 blocks and multiplies
-// them by all SLOTS slots (m64nSLOTSk16), so an expert's few rows do not pad the MMA to 64. Gate/up
-// pairs each gate block with its up block, so SwiGLU has both in one thread.
+// them by the tile's slots (m64nNk16, N = SLOTS, or less for an expert's last, short chunk: rows
+// rounded up to 32), so an expert's few rows do not pad the MMA to 64 or 128. Gate/up pairs each
+// gate block with its up block, so SwiGLU has both in one thread.
 // No warp waits on a block-wide barrier, and the producer fills the next tile's stages while the
 // consumers run the epilogue. Each tile is computed by one block in a fixed K order, so which
 // block claims it does not change a bit of the result.
@@ -31,16 +32,17 @@ struct ConsumerTile {
   static constexpr int SECOND_BLOCK = GATED ? BN : 64;  // shared rows from a consumer's first block to its second
   static constexpr int PITCH = 2 * COLUMNS + 16;  // bytes per staged slot row; the 16 spreads the banks
   static constexpr int STAGING_BYTES = STAGED_SLOTS * PITCH;
-  static_assert(SLOTS % STAGED_SLOTS == 0, "whole passes");
+  static_assert(SLOTS % STAGED_SLOTS == 0 && SLOTS <= 4 * STAGED_SLOTS, "whole passes, at most four");
   float acc[2][SLOTS / 2];  // m64nSLOTS, twice: weight rows r and r + 8 of 8-slot block i at 4i + {0, 1} and 4i + {2, 3}
 
-  __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer, bool accumulate) {
+  // Only the tile's first `passes` groups of STAGED_SLOTS slots hold rows: N covers just those.
+  __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer, bool accumulate, int passes) {
     const u32 w0 = s_b + consumer * COLUMNS * 128, w1 = w0 + SECOND_BLOCK * 128;
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      Wgmma<T, SLOTS>::mma(acc[0], wgmma_desc(w0 + kk * 32), wgmma_desc(s_a + kk * 32), accumulate || kk > 0);
-      Wgmma<T, SLOTS>::mma(acc[1], wgmma_desc(w1 + kk * 32), wgmma_desc(s_a + kk * 32), accumulate || kk > 0);
-    }
+    constexpr int PASS = STAGED_SLOTS;
+    if (passes >= SLOTS / PASS) mma_n<SLOTS>(w0, w1, s_a, accumulate);
+    else if (passes == 1) mma_n<PASS>(w0, w1, s_a, accumulate);
+    else if (passes == 2) mma_n<(SLOTS > 2 * PASS ? 2 * PASS : SLOTS)>(w0, w1, s_a, accumulate);
+    else mma_n<(SLOTS > 3 * PASS ? 3 * PASS : SLOTS)>(w0, w1, s_a, accumulate);
   }
 
   // The accumulators' rows are output columns: stmatrix transposes them into this consumer's
@@ -53,6 +55,7 @@ struct ConsumerTile {
     constexpr int CHUNKS = COLUMNS / 8;  // 16-byte pieces per slot row
 #pragma unroll
     for (int pass = 0; pass < SLOTS / STAGED_SLOTS; ++pass) {
+      if (pass * STAGED_SLOTS >= tile.rows) break;
 #pragma unroll
       for (int j = 0; j < STAGED_SLOTS / 8; j += GATED ? 2 : 1) {
         const int i = pass * STAGED_SLOTS / 8 + j;
@@ -73,6 +76,16 @@ struct ConsumerTile {
   }
 
  private:
+  template <int N>
+  __device__ __forceinline__ void mma_n(u32 w0, u32 w1, u32 s_a, bool accumulate) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const u64 slots = wgmma_desc(s_a + kk * 32);
+      Wgmma<T, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[0]), wgmma_desc(w0 + kk * 32), slots, accumulate || kk > 0);
+      Wgmma<T, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[1]), wgmma_desc(w1 + kk * 32), slots, accumulate || kk > 0);
+    }
+  }
+
   // Slots 8i + 2 (lane % 4) + {0, 1} of weight row r + 8 half of an accumulator, packed.
   __device__ __forceinline__ u32 pair(int block, int i, int half) const {
     return Float16Traits<T>::pack(acc[block][4 * i + 2 * half], acc[block][4 * i + 2 * half + 1]);
@@ -165,12 +178,13 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
     if (work < 0) break;
     Tile tile;
     find_tile<SLOTS, BN>(work, m_tiles, offsets, tile_offsets, num_experts, n_out, tile);
+    const int passes = (tile.rows + STAGED_SLOTS - 1) / STAGED_SLOTS;  // of the MMA's N and the epilogue
     int previous = -1;
     for (int kt = 0; kt < k_tiles; ++kt) {
       if (kt > 0) mbarrier_wait(full + 8 * stage, phase);
       fence_proxy_async();  // the producer's cp.async writes, seen by wgmma's async proxy
       wgmma_fence();
-      tile_acc.mma(s_a + stage * A_BYTES, s_b + stage * B_BYTES, consumer, kt > 0);
+      tile_acc.mma(s_a + stage * A_BYTES, s_b + stage * B_BYTES, consumer, kt > 0, passes);
       wgmma_commit();
       wgmma_wait<1>();  // the previous K-tile's MMAs have retired: its stage can be refilled
       if (previous >= 0 && warp_leader) mbarrier_arrive(empty + 8 * previous);

@@ -45,6 +45,10 @@ __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 m0, u32 m1, u32 
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
 // Per N: the accumulators' PTX names and asm operands, then the names of the descriptors and flag.
+#define CUPYMOE_REGS_32 CUPYMOE_R0
+#define CUPYMOE_OPS_32 CUPYMOE_F0
+#define CUPYMOE_DESCS_32 "%16, %17"
+#define CUPYMOE_ACC_32 "%18"
 #define CUPYMOE_REGS_64 CUPYMOE_R0 ", " CUPYMOE_R1
 #define CUPYMOE_OPS_64 CUPYMOE_F0, CUPYMOE_F1
 #define CUPYMOE_DESCS_64 "%32, %33"
@@ -73,7 +77,7 @@ template <class T, int N> struct Wgmma;
     } \
   };
 #define CUPYMOE_WGMMA_TYPE(TYPE, PTX_TYPE) \
-  CUPYMOE_WGMMA(TYPE, PTX_TYPE, 64) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 96) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 128)
+  CUPYMOE_WGMMA(TYPE, PTX_TYPE, 32) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 64) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 96) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 128)
 
 CUPYMOE_WGMMA_TYPE(bf16, "bf16")
 CUPYMOE_WGMMA_TYPE(f16, "f16")
@@ -97,5 +101,9 @@ CUPYMOE_WGMMA_TYPE(f16, "f16")
 #undef CUPYMOE_OPS_128
 #undef CUPYMOE_DESCS_128
 #undef CUPYMOE_ACC_128
+#undef CUPYMOE_REGS_32
+#undef CUPYMOE_OPS_32
+#undef CUPYMOE_DESCS_32
+#undef CUPYMOE_ACC_32
 #undef CUPYMOE_WGMMA
 #undef CUPYMOE_WGMMA_TYPE
