@@ -113,30 +113,3 @@ template <class T>
 __device__ __forceinline__ void store_pair(u16* c, const Tile& t, int row, int n_out, int col, float v0, float v1) {
   *reinterpret_cast<u32*>(c + (long long)(t.slot_base + row) * n_out + t.n0 + col) = Float16Traits<T>::pack(v0, v1);
 }
-
-// Writes row `row` of the tile (when valid) from packed column pairs in the mma accumulator layout:
-// lane % 4 holds columns 8 i + 2 (lane % 4) + {0, 1} of each n8 block i. A 4x4 transpose within each
-// quad of lanes gives every lane 8 consecutive columns, so each store is 16 bytes and a quad's four
-// stores fill 64 contiguous bytes. Every lane of the warp must call it (shuffles).
-template <int BLOCKS>
-__device__ __forceinline__ void store_row(u16* c, const Tile& t, int row, int n_out, u32 (&packed)[BLOCKS],
-                                          bool valid) {
-  static_assert(BLOCKS % 4 == 0, "whole groups of four n8 blocks");
-  const int q = threadIdx.x & 3;
-  u16* dst = c + (long long)(t.slot_base + row) * n_out + t.n0 + 8 * q;
-#pragma unroll
-  for (int j = 0; j < BLOCKS / 4; ++j) {
-    u32* v = packed + 4 * j;
-#pragma unroll
-    for (int m = 2; m >= 1; m >>= 1) {
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        if (b & m) continue;
-        const bool upper = q & m;  // keeps block b, sends block b ^ m to lane q ^ m, or the reverse
-        const u32 received = __shfl_xor_sync(0xffffffffu, upper ? v[b] : v[b ^ m], m);
-        if (upper) v[b] = received; else v[b ^ m] = received;
-      }
-    }
-    if (valid) *reinterpret_cast<uint4*>(dst + 32 * j) = make_uint4(v[0], v[1], v[2], v[3]);
-  }
-}
