@@ -71,8 +71,9 @@ def _persistent_plan(block_m: int, stages: int) -> Plan:
 # By the average number of slots per expert that has any. At one or two rows, narrow mma.sync
 # gate/up tiles spread the weights over the most blocks (NOTES.md, v6); up to a dozen, 16-row
 # tiles. Beyond, on Hopper, the persistent wgmma kernel streams the weights by TMA, its slot
-# count (the MMA's N) the smallest that holds most experts whole (NOTES.md, v7); elsewhere,
-# mma.sync tiles of 32 to 128 rows.
+# count (the MMA's N) the smallest that holds most experts whole (NOTES.md, v7), and beyond 80
+# rows 160, which holds experts of 128 whole and splits 256 in two (v8); elsewhere, mma.sync tiles
+# of 32 to 128 rows.
 _TINY = Plan(GemmConfig(16, 32, 1, 2, 8), GemmConfig(16, 64, 1, 4, 6))
 _SMALL = Plan(GemmConfig(16, 64, 1, 4, 6), GemmConfig(16, 64, 1, 4, 6))
 _MEDIUM_32 = Plan(GemmConfig(32, 64, 2, 2, 5), GemmConfig(32, 128, 1, 4, 5))
@@ -80,7 +81,8 @@ _MEDIUM = Plan(GemmConfig(64, 64, 2, 2, 4), GemmConfig(64, 128, 2, 2, 4))
 _LARGE = Plan(GemmConfig(128, 64, 4, 2, 3), GemmConfig(128, 128, 4, 2, 3))
 _PERSISTENT_64 = _persistent_plan(64, 5)
 _PERSISTENT_96 = _persistent_plan(96, 4)
-_PERSISTENT_128 = _persistent_plan(128, 4)
+_PERSISTENT_160 = _persistent_plan(160, 4)
+PLANS = (_TINY, _SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT_64, _PERSISTENT_96, _PERSISTENT_160)
 TINY_ROWS = 2  # beyond, a skewed routing's busy experts favour the wider tiles
 SMALL_ROWS = 12
 MEDIUM_32_ROWS = 24
@@ -123,13 +125,18 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     elif sm90 and rows_per_expert <= PERSISTENT_96_ROWS:
         chosen = _PERSISTENT_96
     elif sm90:
-        chosen = _PERSISTENT_128
+        chosen = _PERSISTENT_160
     elif rows_per_expert <= MEDIUM_32_ROWS:
         chosen = _MEDIUM_32
     elif rows_per_expert <= MEDIUM_ROWS:
         chosen = _MEDIUM
     else:
         chosen = _LARGE
+    return fitted(chosen, hidden, intermediate, shared_limit)
+
+
+def fitted(chosen: Plan, hidden: int, intermediate: int, shared_limit: int) -> Plan:
+    """``chosen`` with tiles that divide H and I and pipelines that fit ``shared_limit`` bytes."""
     return Plan(_fit_shared(_fit(chosen.gate_up, _LARGE.gate_up, intermediate), True, shared_limit),
                 _fit_shared(_fit(chosen.down, _LARGE.down, hidden), False, shared_limit))
 
@@ -138,7 +145,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
 def name_expressions(source: str, dtype) -> tuple:
     """Every instantiation in ``source`` the plans use on sm_80 and sm_90 for one dtype (one module)."""
     names = []
-    for p in (_TINY, _SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT_64, _PERSISTENT_96, _PERSISTENT_128):
+    for p in PLANS:
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
             for variant in (cfg, _fit(cfg, _LARGE.gate_up if gated else _LARGE.down, K_TILE)):
                 if variant.source == source:

@@ -32,17 +32,13 @@ struct ConsumerTile {
   static constexpr int SECOND_BLOCK = GATED ? BN : 64;  // shared rows from a consumer's first block to its second
   static constexpr int PITCH = 2 * COLUMNS + 16;  // bytes per staged slot row; the 16 spreads the banks
   static constexpr int STAGING_BYTES = STAGED_SLOTS * PITCH;
-  static_assert(SLOTS % STAGED_SLOTS == 0 && SLOTS <= 4 * STAGED_SLOTS, "whole passes, at most four");
+  static_assert(SLOTS % STAGED_SLOTS == 0 && SLOTS <= 5 * STAGED_SLOTS, "whole passes, at most five");
   float acc[2][SLOTS / 2];  // m64nSLOTS, twice: weight rows r and r + 8 of 8-slot block i at 4i + {0, 1} and 4i + {2, 3}
 
   // Only the tile's first `passes` groups of STAGED_SLOTS slots hold rows: N covers just those.
   __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer, bool accumulate, int passes) {
     const u32 w0 = s_b + consumer * COLUMNS * 128, w1 = w0 + SECOND_BLOCK * 128;
-    constexpr int PASS = STAGED_SLOTS;
-    if (passes >= SLOTS / PASS) mma_n<SLOTS>(w0, w1, s_a, accumulate);
-    else if (passes == 1) mma_n<PASS>(w0, w1, s_a, accumulate);
-    else if (passes == 2) mma_n<(SLOTS > 2 * PASS ? 2 * PASS : SLOTS)>(w0, w1, s_a, accumulate);
-    else mma_n<(SLOTS > 3 * PASS ? 3 * PASS : SLOTS)>(w0, w1, s_a, accumulate);
+    mma_passes<1>(w0, w1, s_a, accumulate, passes);
   }
 
   // The accumulators' rows are output columns: stmatrix transposes them into this consumer's
@@ -76,6 +72,17 @@ struct ConsumerTile {
   }
 
  private:
+  // The MMAs at N = P * STAGED_SLOTS for the first P that covers ``passes``.
+  template <int P>
+  __device__ __forceinline__ void mma_passes(u32 w0, u32 w1, u32 s_a, bool accumulate, int passes) {
+    if constexpr (P * STAGED_SLOTS >= SLOTS) {
+      mma_n<SLOTS>(w0, w1, s_a, accumulate);
+    } else {
+      if (passes <= P) mma_n<P * STAGED_SLOTS>(w0, w1, s_a, accumulate);
+      else mma_passes<P + 1>(w0, w1, s_a, accumulate, passes);
+    }
+  }
+
   template <int N>
   __device__ __forceinline__ void mma_n(u32 w0, u32 w1, u32 s_a, bool accumulate) {
 #pragma unroll

@@ -26,11 +26,12 @@ __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 m0, u32 m1, u32 
                ::"r"(addr), "r"(m0), "r"(m1), "r"(m2), "r"(m3) : "memory");
 }
 
-// Accumulators in blocks of 16 (N / 2 per thread for m64nN, N <= 128): PTX names, asm operands.
+// Accumulators in blocks of 16 (N / 2 per thread for m64nN, N <= 160): PTX names, asm operands.
 #define CUPYMOE_R0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define CUPYMOE_R1 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define CUPYMOE_R2 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
 #define CUPYMOE_R3 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define CUPYMOE_R4 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
 #define CUPYMOE_F0 \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
@@ -43,6 +44,9 @@ __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 m0, u32 m1, u32 
 #define CUPYMOE_F3 \
   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define CUPYMOE_F4 \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
 
 // Per N: the accumulators' PTX names and asm operands, then the names of the descriptors and flag.
 #define CUPYMOE_REGS_32 CUPYMOE_R0
@@ -61,6 +65,10 @@ __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 m0, u32 m1, u32 
 #define CUPYMOE_OPS_128 CUPYMOE_F0, CUPYMOE_F1, CUPYMOE_F2, CUPYMOE_F3
 #define CUPYMOE_DESCS_128 "%64, %65"
 #define CUPYMOE_ACC_128 "%66"
+#define CUPYMOE_REGS_160 CUPYMOE_REGS_128 ", " CUPYMOE_R4
+#define CUPYMOE_OPS_160 CUPYMOE_OPS_128, CUPYMOE_F4
+#define CUPYMOE_DESCS_160 "%80, %81"
+#define CUPYMOE_ACC_160 "%82"
 
 template <class T, int N> struct Wgmma;
 
@@ -77,7 +85,8 @@ template <class T, int N> struct Wgmma;
     } \
   };
 #define CUPYMOE_WGMMA_TYPE(TYPE, PTX_TYPE) \
-  CUPYMOE_WGMMA(TYPE, PTX_TYPE, 32) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 64) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 96) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 128)
+  CUPYMOE_WGMMA(TYPE, PTX_TYPE, 32) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 64) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 96) \
+  CUPYMOE_WGMMA(TYPE, PTX_TYPE, 128) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 160)
 
 CUPYMOE_WGMMA_TYPE(bf16, "bf16")
 CUPYMOE_WGMMA_TYPE(f16, "f16")
@@ -85,10 +94,16 @@ CUPYMOE_WGMMA_TYPE(f16, "f16")
 #undef CUPYMOE_R1
 #undef CUPYMOE_R2
 #undef CUPYMOE_R3
+#undef CUPYMOE_R4
 #undef CUPYMOE_F0
 #undef CUPYMOE_F1
 #undef CUPYMOE_F2
 #undef CUPYMOE_F3
+#undef CUPYMOE_F4
+#undef CUPYMOE_REGS_32
+#undef CUPYMOE_OPS_32
+#undef CUPYMOE_DESCS_32
+#undef CUPYMOE_ACC_32
 #undef CUPYMOE_REGS_64
 #undef CUPYMOE_OPS_64
 #undef CUPYMOE_DESCS_64
@@ -101,9 +116,9 @@ CUPYMOE_WGMMA_TYPE(f16, "f16")
 #undef CUPYMOE_OPS_128
 #undef CUPYMOE_DESCS_128
 #undef CUPYMOE_ACC_128
-#undef CUPYMOE_REGS_32
-#undef CUPYMOE_OPS_32
-#undef CUPYMOE_DESCS_32
-#undef CUPYMOE_ACC_32
+#undef CUPYMOE_REGS_160
+#undef CUPYMOE_OPS_160
+#undef CUPYMOE_DESCS_160
+#undef CUPYMOE_ACC_160
 #undef CUPYMOE_WGMMA
 #undef CUPYMOE_WGMMA_TYPE

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cupymoe
-from cupymoe import reference
+from cupymoe import _compile, experts as experts_module, reference
 from helpers import BF16, host_bits, oracle, poison, random_problem, rel_l2, to_gpu
 
 cupy = pytest.importorskip("cupy")
@@ -241,3 +241,19 @@ def test_jax_inputs():
     check_close(got, problem)
     back = jnp.from_dlpack(got)
     assert back.dtype == jnp.bfloat16 and back.shape == problem[0].shape
+
+
+@pytest.mark.parametrize("plan_index", range(len(experts_module.PLANS)))
+@pytest.mark.parametrize("tokens,routing", [(37, "sparse"), (700, "uniform"), (700, "one")])
+def test_every_plan_matches_reference(tokens, routing, plan_index, monkeypatch):
+    """Each tile plan, whatever T would choose: experts of every size, a chunk of each pass count."""
+    chosen = experts_module.PLANS[plan_index]
+    device_id = cupy.cuda.Device().id
+    if chosen.gate_up.kernel == experts_module.PERSISTENT and _compile.compute_capability(device_id) != 90:
+        pytest.skip("the persistent kernel needs sm_90")
+    hidden, inter = SIZES[8]
+    fitted = experts_module.fitted(chosen, hidden, inter, _compile.shared_memory_limit(device_id))
+    monkeypatch.setattr(experts_module, "plan", lambda *args: fitted)
+    rng = np.random.default_rng([tokens, plan_index])
+    problem = random_problem(rng, tokens, hidden, 8, inter, 2, routing=routing)
+    check_close(run_fused(problem), problem)

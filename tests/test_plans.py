@@ -52,7 +52,7 @@ def test_narrow_gate_up_tiles_up_to_two_rows_per_expert():
 
 
 def test_persistent_kernel_above_12_rows_per_expert_on_sm90():
-    """Its slot count (the MMA's N) grows with the rows per expert: 64, then 96, then 128."""
+    """Its slot count (the MMA's N) grows with the rows per expert: 64, then 96, then 160."""
     def gate_up(tokens, cc=90):
         return experts.plan(tokens, 8, 256, 4096, 1024, cc, SHARED_LIMITS[cc]).gate_up
     assert gate_up(384).kernel == experts.MMA
@@ -60,7 +60,8 @@ def test_persistent_kernel_above_12_rows_per_expert_on_sm90():
     assert gate_up(1536).block_m == 64
     assert gate_up(1537).block_m == 96
     assert gate_up(2560).block_m == 96
-    assert gate_up(2561).block_m == 128
+    assert gate_up(2561).block_m == 160
+    assert gate_up(8192).block_m == 160
     assert gate_up(8192, cc=80).kernel == experts.MMA
 
 
