@@ -6,7 +6,7 @@
 // STAGES shared stages handed over by full and empty mbarriers. Warpgroups 1 and 2 consume, keeping
 // one K-tile of MMAs in flight: each owns 128 of the weight rows as two m64 blocks and multiplies
 // them by the tile's slots (m64nNk16, N = SLOTS, or less for an expert's last, short chunk: rows
-// rounded up to 32), so an expert's few rows do not pad the MMA to 64 or 128. Gate/up pairs each
+// rounded up to 32), so an expert's few rows do not pad the MMA to all SLOTS. Gate/up pairs each
 // gate block with its up block, so SwiGLU has both in one thread.
 // No warp waits on a block-wide barrier, and the producer fills the next tile's stages while the
 // consumers run the epilogue. Each tile is computed by one block in a fixed K order, so which
