@@ -72,4 +72,12 @@ __device__ __forceinline__ u32 swizzled_offset(int row, int chunk) {
   return u32(row * 128 + ((chunk ^ (row & 7)) << 4));
 }
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
+// 1/x from the SFU (rcp.approx, about 1 ulp): no IEEE division slow path, so no branches that
+// serialise an epilogue's silu chains.
+__device__ __forceinline__ float reciprocal_approx(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float silu(float v) { return v * reciprocal_approx(1.0f + __expf(-v)); }
