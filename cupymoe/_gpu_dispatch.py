@@ -7,15 +7,15 @@ from . import _compile
 from .dispatch import Dispatch
 
 SOURCE = "dispatch.cu"
-NAMES = ("dispatch_count<int>", "dispatch_count<long long>", "dispatch_scan",
+NAMES = ("dispatch_count<int>", "dispatch_count<long long>", "dispatch_expert_scan",
          "dispatch_scatter<int>", "dispatch_scatter<long long>",
          "dispatch_fused<int>", "dispatch_fused<long long>")
 CHUNK = 512  # DISPATCH_CHUNK in dispatch.cu
 COUNT_WARPS = 4
-SCAN_THREADS = 1024
+EXPERT_SCAN_WARPS = 8  # EXPERT_SCAN_WARPS in dispatch.cu
 SCATTER_THREADS = 256
 FUSED_WARPS = 8  # FUSED_WARPS in dispatch.cu
-FUSED_MAX_SLOTS = 4096  # up to here one block does all three steps (one launch instead of three)
+FUSED_MAX_SLOTS = FUSED_WARPS * CHUNK  # up to here one block does all three steps (one launch, not three)
 FUSED_MAX_SHARED = 160 * 1024
 
 
@@ -78,15 +78,15 @@ def launch(ids, buffers: DispatchBuffers) -> None:
     _kernel(f"dispatch_count<{id_type}>", device_id, counters_bytes)(
         (-(-b.chunks // COUNT_WARPS),), (32 * COUNT_WARPS,),
         (ids, slots, experts, chunks, b.chunk_starts, b.rank), shared_mem=counters_bytes)
-    _kernel("dispatch_scan", device_id, 0)(
-        (1,), (SCAN_THREADS,),
-        (b.chunk_starts, chunks, experts, b.counts, b.offsets, np.int32(b.block_m_gate_up),
-         b.tiles_gate_up, np.int32(b.block_m_down), b.tiles_down))
-    if b.slots:
-        _kernel(f"dispatch_scatter<{id_type}>", device_id, 0)(
-            (-(-b.slots // SCATTER_THREADS),), (SCATTER_THREADS,),
-            (ids, slots, experts, chunks, b.chunk_starts, b.rank, b.offsets, b.sorted_slots,
-             b.slot_positions))
+    _kernel("dispatch_expert_scan", device_id, 0)(
+        (-(-b.experts // EXPERT_SCAN_WARPS),), (32 * EXPERT_SCAN_WARPS,),
+        (b.chunk_starts, chunks, experts, b.counts))
+    offsets_bytes = (b.experts + 1) * 4
+    _kernel(f"dispatch_scatter<{id_type}>", device_id, offsets_bytes)(
+        (max(1, -(-b.slots // SCATTER_THREADS)),), (SCATTER_THREADS,),
+        (ids, slots, experts, chunks, b.chunk_starts, b.rank, b.counts, b.offsets,
+         np.int32(b.block_m_gate_up), b.tiles_gate_up, np.int32(b.block_m_down), b.tiles_down,
+         b.sorted_slots, b.slot_positions), shared_mem=offsets_bytes)
 
 
 def run(ids, experts: int) -> DispatchBuffers:

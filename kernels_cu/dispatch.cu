@@ -1,15 +1,17 @@
 // Dispatch: group the S = T * k routed slots by expert without timing-dependent order.
 //   count:   each warp owns a chunk of slots; it counts them per expert and gives each slot its rank
 //            among the chunk's earlier slots of the same expert.
-//   scan:    the expert-major [E][chunks] counts become start positions (one exclusive scan), from
-//            which come the per-expert offsets and the GEMMs' m-tile maps.
+//   scan:    the expert-major [E][chunks] counts become start positions, from which come the
+//            per-expert offsets and the GEMMs' m-tile maps.
 //   scatter: position = start[expert][chunk] + rank, so slots of one expert keep their order.
-// Large S runs the three steps as three kernels; small S runs them in one block (dispatch_fused).
+// Large S runs three kernels: one warp per expert scans its chunks (dispatch_expert_scan), then
+// every block of dispatch_scatter scans the E expert totals itself, and block 0 writes the offsets
+// and tile maps. Small S runs all steps in one block (dispatch_fused).
 // Ids outside [0, E) are treated as "no expert" and dropped.
 #include "common.cuh"
 
 constexpr int DISPATCH_CHUNK = 512;  // slots per warp in dispatch_count
-constexpr int SCAN_THREADS = 1024;
+constexpr int EXPERT_SCAN_WARPS = 8;  // experts per block of dispatch_expert_scan
 constexpr int FUSED_WARPS = 8;
 
 template <class IdT>
@@ -18,24 +20,33 @@ __device__ __forceinline__ int expert_of(const IdT* ids, long long slot, int num
   return (id >= 0 && id < num_experts) ? int(id) : -1;
 }
 
-// One warp counts slots [begin, end) into counters[E] (zeroed here) and writes each slot's rank.
+// One warp counts slots [begin, end), at most DISPATCH_CHUNK of them, into counters[E] (zeroed here)
+// and writes each slot's rank. All the chunk's ids are loaded before any is counted.
 template <class IdT>
 __device__ void count_chunk(const IdT* ids, long long begin, long long end, int num_experts,
                             int* counters, int* rank) {
+  constexpr int STEPS = DISPATCH_CHUNK / 32;
   const int lane = threadIdx.x & 31;
+  int experts[STEPS];
+#pragma unroll
+  for (int i = 0; i < STEPS; ++i) {
+    const long long slot = begin + 32 * i + lane;
+    experts[i] = slot < end ? expert_of(ids, slot, num_experts) : -1;
+  }
   for (int e = lane; e < num_experts; e += 32) counters[e] = 0;
   __syncwarp();
   const u32 lanes_below = (1u << lane) - 1;
-  for (long long base = begin; base < end; base += 32) {
-    const long long slot = base + lane;
-    const int e = slot < end ? expert_of(ids, slot, num_experts) : -1;
+#pragma unroll
+  for (int i = 0; i < STEPS; ++i) {
+    if (begin + 32 * i >= end) break;  // the same for the whole warp
+    const int e = experts[i];
     const u32 peers = __match_any_sync(0xffffffffu, e);
     int before = 0;
     if (e >= 0) before = counters[e];
     __syncwarp();
     if (e >= 0) {
       if ((peers & lanes_below) == 0) counters[e] = before + __popc(peers);
-      rank[slot] = before + __popc(peers & lanes_below);
+      rank[begin + 32 * i + lane] = before + __popc(peers & lanes_below);
     }
     __syncwarp();
   }
@@ -105,15 +116,13 @@ __device__ void scan_starts(int* starts, int num_chunks, int num_experts, int* c
   tile_map(offsets, num_experts, block_m_b, tiles_b, warp_sums);
 }
 
-template <class IdT>
-__device__ __forceinline__ void scatter_slot(const IdT* ids, long long slot, long long chunk_size,
-                                             int num_experts, int num_chunks, const int* starts,
-                                             const int* rank, int valid_slots, int* sorted_slots,
-                                             int* slot_positions) {
-  const int e = expert_of(ids, slot, num_experts);
+// Writes the position of ``slot`` of expert e (-1: none), ``first`` being where its (expert, chunk)
+// run starts.
+__device__ __forceinline__ void place_slot(long long slot, int e, int first, const int* rank,
+                                           int valid_slots, int* sorted_slots, int* slot_positions) {
   int pos = -1;
   if (e >= 0) {
-    pos = starts[(long long)e * num_chunks + slot / chunk_size] + rank[slot];
+    pos = first + rank[slot];
     sorted_slots[pos] = int(slot);
   }
   slot_positions[slot] = pos;
@@ -135,25 +144,64 @@ __global__ void dispatch_count(const IdT* __restrict__ ids, long long num_slots,
     chunk_counts[(long long)e * num_chunks + chunk] = mine[e];
 }
 
-// One block of SCAN_THREADS; chunk_starts holds the counts on entry and the start positions on exit.
-__global__ void __launch_bounds__(SCAN_THREADS)
-dispatch_scan(int* __restrict__ chunk_starts, int num_chunks, int num_experts, int* __restrict__ counts,
-              int* __restrict__ offsets, int block_m_a, int* __restrict__ tiles_a, int block_m_b,
-              int* __restrict__ tiles_b) {
-  __shared__ int warp_sums[32];
-  scan_starts(chunk_starts, num_chunks, num_experts, counts, offsets, block_m_a, tiles_a, block_m_b,
-              tiles_b, warp_sums);
+// One warp per expert: its row of chunk counts becomes start positions within the expert (an
+// exclusive scan, in place), and counts[e] its total.
+__global__ void __launch_bounds__(EXPERT_SCAN_WARPS * 32)
+dispatch_expert_scan(int* __restrict__ chunk_starts, int num_chunks, int num_experts, int* __restrict__ counts) {
+  constexpr int ITEMS = 4;  // consecutive chunks per lane
+  const int lane = threadIdx.x & 31;
+  const int e = blockIdx.x * EXPERT_SCAN_WARPS + (threadIdx.x >> 5);
+  if (e >= num_experts) return;
+  int* row = chunk_starts + (long long)e * num_chunks;
+  int carry = 0;
+  for (int base = 0; base < num_chunks; base += 32 * ITEMS) {
+    const int first = base + lane * ITEMS;
+    int v[ITEMS], own = 0;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      v[i] = first + i < num_chunks ? row[first + i] : 0;
+      own += v[i];
+    }
+    int inclusive = own;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += up;
+    }
+    int running = carry + inclusive - own;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (first + i < num_chunks) row[first + i] = running;
+      running += v[i];
+    }
+    carry += __shfl_sync(0xffffffffu, inclusive, 31);
+  }
+  if (lane == 0) counts[e] = carry;
 }
 
+// Dynamic shared memory: num_experts + 1 ints, the expert offsets each block scans from counts.
 template <class IdT>
 __global__ void dispatch_scatter(const IdT* __restrict__ ids, long long num_slots, int num_experts,
                                  int num_chunks, const int* __restrict__ chunk_starts,
-                                 const int* __restrict__ rank, const int* __restrict__ offsets,
-                                 int* __restrict__ sorted_slots, int* __restrict__ slot_positions) {
+                                 const int* __restrict__ rank, const int* __restrict__ counts,
+                                 int* __restrict__ offsets, int block_m_a, int* __restrict__ tiles_a,
+                                 int block_m_b, int* __restrict__ tiles_b, int* __restrict__ sorted_slots,
+                                 int* __restrict__ slot_positions) {
+  extern __shared__ int expert_offsets[];
+  __shared__ int warp_sums[32];
+  for (int e = threadIdx.x; e <= num_experts; e += blockDim.x)
+    expert_offsets[e] = e < num_experts ? counts[e] : 0;
+  __syncthreads();
+  block_exclusive_scan(expert_offsets, num_experts + 1, warp_sums);
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) offsets[e] = expert_offsets[e];
+    tile_map(expert_offsets, num_experts, block_m_a, tiles_a, warp_sums);
+    tile_map(expert_offsets, num_experts, block_m_b, tiles_b, warp_sums);
+  }
   const long long slot = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (slot >= num_slots) return;
-  scatter_slot(ids, slot, DISPATCH_CHUNK, num_experts, num_chunks, chunk_starts, rank,
-               offsets[num_experts], sorted_slots, slot_positions);
+  const int e = expert_of(ids, slot, num_experts);
+  const int first = e < 0 ? 0 : expert_offsets[e] + chunk_starts[(long long)e * num_chunks + slot / DISPATCH_CHUNK];
+  place_slot(slot, e, first, rank, expert_offsets[num_experts], sorted_slots, slot_positions);
 }
 
 // All three steps in one block of FUSED_WARPS warps, for small S (one launch instead of three).
@@ -169,6 +217,7 @@ dispatch_fused(const IdT* __restrict__ ids, long long num_slots, int num_experts
   int* counters = shared;                               // [warp][expert]
   int* starts = shared + FUSED_WARPS * num_experts;     // [expert][warp]
   const int warp = threadIdx.x >> 5;
+  // At most DISPATCH_CHUNK slots per warp: the host sends no more than FUSED_WARPS * DISPATCH_CHUNK.
   const long long chunk_size = ((num_slots + FUSED_WARPS * 32 - 1) / (FUSED_WARPS * 32)) * 32;
   const long long begin = warp * chunk_size;
   count_chunk(ids, min(begin, num_slots), min(begin + chunk_size, num_slots), num_experts,
@@ -180,7 +229,9 @@ dispatch_fused(const IdT* __restrict__ ids, long long num_slots, int num_experts
   scan_starts(starts, FUSED_WARPS, num_experts, counts, offsets, block_m_a, tiles_a, block_m_b, tiles_b,
               warp_sums);
   const int valid_slots = offsets[num_experts];
-  for (long long slot = threadIdx.x; slot < num_slots; slot += blockDim.x)
-    scatter_slot(ids, slot, chunk_size, num_experts, FUSED_WARPS, starts, rank, valid_slots,
-                 sorted_slots, slot_positions);
+  for (long long slot = threadIdx.x; slot < num_slots; slot += blockDim.x) {
+    const int e = expert_of(ids, slot, num_experts);
+    const int first = e < 0 ? 0 : starts[e * FUSED_WARPS + slot / chunk_size];
+    place_slot(slot, e, first, rank, valid_slots, sorted_slots, slot_positions);
+  }
 }
