@@ -52,6 +52,40 @@ __device__ void count_chunk(const IdT* ids, long long begin, long long end, int 
   }
 }
 
+// Inclusive prefix sum of v over the warp's lanes.
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+  const int lane = threadIdx.x & 31;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int up = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += up;
+  }
+  return v;
+}
+
+// One thread's ITEMS consecutive values data[first, first + ITEMS) (zero past n) and their sum.
+template <int ITEMS>
+struct ValueRun {
+  int v[ITEMS];
+  int sum = 0;
+
+  __device__ __forceinline__ ValueRun(const int* data, long long first, long long n) {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      v[i] = first + i < n ? data[first + i] : 0;
+      sum += v[i];
+    }
+  }
+
+  // Overwrites the values with their exclusive prefix sums, counted from ``start``.
+  __device__ __forceinline__ void store_exclusive(int* data, long long first, long long n, int start) const {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (first + i < n) data[first + i] = start;
+      start += v[i];
+    }
+  }
+};
+
 // In-place exclusive scan of data[0, n) (global or shared) by the whole block; returns the total.
 // Tiles of blockDim * 8 values: each thread scans 8 consecutive values, then the block combines.
 __device__ int block_exclusive_scan(int* data, long long n, int* warp_sums) {
@@ -60,35 +94,13 @@ __device__ int block_exclusive_scan(int* data, long long n, int* warp_sums) {
   int carry = 0;
   for (long long tile = 0; tile < n; tile += (long long)blockDim.x * ITEMS) {
     const long long first = tile + (long long)threadIdx.x * ITEMS;
-    int v[ITEMS];
-    int own = 0;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      v[i] = first + i < n ? data[first + i] : 0;
-      own += v[i];
-    }
-    int inclusive = own;
-    for (int d = 1; d < 32; d <<= 1) {
-      const int up = __shfl_up_sync(0xffffffffu, inclusive, d);
-      if (lane >= d) inclusive += up;
-    }
+    const ValueRun<ITEMS> run(data, first, n);
+    const int inclusive = warp_inclusive_sum(run.sum);
     if (lane == 31) warp_sums[warp] = inclusive;
     __syncthreads();
-    if (warp == 0) {
-      int w = lane < warps ? warp_sums[lane] : 0;
-      for (int d = 1; d < 32; d <<= 1) {
-        const int up = __shfl_up_sync(0xffffffffu, w, d);
-        if (lane >= d) w += up;
-      }
-      warp_sums[lane] = w;
-    }
+    if (warp == 0) warp_sums[lane] = warp_inclusive_sum(lane < warps ? warp_sums[lane] : 0);
     __syncthreads();
-    int running = carry + inclusive - own + (warp > 0 ? warp_sums[warp - 1] : 0);
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (first + i < n) data[first + i] = running;
-      running += v[i];
-    }
+    run.store_exclusive(data, first, n, carry + inclusive - run.sum + (warp > 0 ? warp_sums[warp - 1] : 0));
     carry += warp_sums[warps - 1];
     __syncthreads();
   }
@@ -156,23 +168,9 @@ dispatch_expert_scan(int* __restrict__ chunk_starts, int num_chunks, int num_exp
   int carry = 0;
   for (int base = 0; base < num_chunks; base += 32 * ITEMS) {
     const int first = base + lane * ITEMS;
-    int v[ITEMS], own = 0;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      v[i] = first + i < num_chunks ? row[first + i] : 0;
-      own += v[i];
-    }
-    int inclusive = own;
-    for (int d = 1; d < 32; d <<= 1) {
-      const int up = __shfl_up_sync(0xffffffffu, inclusive, d);
-      if (lane >= d) inclusive += up;
-    }
-    int running = carry + inclusive - own;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (first + i < num_chunks) row[first + i] = running;
-      running += v[i];
-    }
+    const ValueRun<ITEMS> run(row, first, num_chunks);
+    const int inclusive = warp_inclusive_sum(run.sum);
+    run.store_exclusive(row, first, num_chunks, carry + inclusive - run.sum);
     carry += __shfl_sync(0xffffffffu, inclusive, 31);
   }
   if (lane == 0) counts[e] = carry;
