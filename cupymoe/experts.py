@@ -25,6 +25,7 @@ class GemmConfig:
     warps_m: int
     warps_n: int
     stages: int  # shared-memory pipeline depth
+    k_group: int = 1  # K-tiles per stage (mma.sync kernel): each weight row is read k_group * 128 bytes at a time
     # MMA: expert_gemm (mma.sync, sm_80+). PERSISTENT: expert_gemm_ws (sm_90a), a loading
     # warpgroup and two wgmma warpgroups (warps_m = 8), each multiplying half the tile's weight
     # rows by all block_m slots.
@@ -40,7 +41,7 @@ class GemmConfig:
 
     def shared_bytes(self, gated: bool) -> int:
         weight_rows = 2 * self.block_n if gated else self.block_n
-        stages = self.stages * (self.block_m + weight_rows) * K_TILE * 2
+        stages = self.stages * self.k_group * (self.block_m + weight_rows) * K_TILE * 2
         if self.kernel == MMA:
             return stages
         barriers = 16 * self.stages  # a full and an empty mbarrier per stage
@@ -53,7 +54,7 @@ class GemmConfig:
         if self.kernel == PERSISTENT:
             return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{flag}>"
         return (f"expert_gemm<{tag},{self.block_m},{self.block_n},{self.warps_m},{self.warps_n},"
-                f"{self.stages},{flag}>")
+                f"{self.stages},{self.k_group},{flag}>")
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,8 @@ class Plan:
 
 def _persistent_plan(block_m: int, stages: int) -> Plan:
     """expert_gemm_ws: 256 weight rows per tile, so gate/up 128 columns (of gate and of up), down 256."""
-    return Plan(GemmConfig(block_m, 128, 8, 1, stages, PERSISTENT),
-                GemmConfig(block_m, 256, 8, 1, stages, PERSISTENT))
+    return Plan(GemmConfig(block_m, 128, 8, 1, stages, kernel=PERSISTENT),
+                GemmConfig(block_m, 256, 8, 1, stages, kernel=PERSISTENT))
 
 
 # By the average number of slots per expert that has any. At one or two rows, narrow mma.sync
@@ -73,9 +74,9 @@ def _persistent_plan(block_m: int, stages: int) -> Plan:
 # tiles. Beyond, on Hopper, the persistent wgmma kernel streams the weights by TMA, its slot
 # count (the MMA's N) the smallest that holds most experts whole (NOTES.md, v7), and beyond 80
 # rows 160, which holds experts of 128 whole and splits 256 in two (v8); elsewhere, mma.sync tiles
-# of 32 to 128 rows.
-_TINY = Plan(GemmConfig(16, 32, 1, 2, 8), GemmConfig(16, 64, 1, 4, 6))
-_SMALL = Plan(GemmConfig(16, 64, 1, 4, 6), GemmConfig(16, 64, 1, 4, 6))
+# of 32 to 128 rows. The two smallest, which stream the weights, take two K-tiles per stage (v12).
+_TINY = Plan(GemmConfig(16, 32, 1, 2, 4, 2), GemmConfig(16, 64, 1, 4, 3, 2))
+_SMALL = Plan(GemmConfig(16, 64, 1, 4, 3, 2), GemmConfig(16, 64, 1, 4, 3, 2))
 _MEDIUM_32 = Plan(GemmConfig(32, 64, 2, 2, 5), GemmConfig(32, 128, 1, 4, 5))
 _MEDIUM = Plan(GemmConfig(64, 64, 2, 2, 4), GemmConfig(64, 128, 2, 2, 4))
 _LARGE = Plan(GemmConfig(128, 64, 4, 2, 3), GemmConfig(128, 128, 4, 2, 3))

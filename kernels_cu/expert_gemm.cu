@@ -1,10 +1,12 @@
 // Per-expert GEMMs on mma.sync m16n8k16 tensor cores (fp32 accumulation): the portable path, sm_80+.
 // A block of WM x WN warps computes a BM x BN tile (expert_tiles.cuh says which, and what A, B, C are);
-// K streams through a STAGES-deep cp.async pipeline; fragments come from shared memory by ldmatrix.
+// K streams through a STAGES-deep cp.async pipeline whose stages hold KG consecutive K-tiles each, so
+// a weight row is read KG * 128 contiguous bytes at a time (DRAM streams 128-byte pieces of many rows
+// a few percent slower); fragments come from shared memory by ldmatrix.
 // GATED blocks keep gate and up accumulators for the same columns and write h = silu(gate) * up.
 #include "expert_tiles.cuh"
 
-template <class T, int BM, int BN, int WM, int WN, int STAGES, bool GATED>
+template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED>
 __global__ void __launch_bounds__(WM * WN * 32)
 expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
             const u16* __restrict__ w, const int* __restrict__ offsets,
@@ -24,53 +26,62 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
 
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 s_a = smem_addr(smem);
-  const u32 s_b = s_a + STAGES * Loader::A_BYTES;
+  const u32 s_b = s_a + STAGES * KG * Loader::A_BYTES;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warp_m = warp % WM, warp_n = warp / WM;
   float acc[MI][NI][4] = {};
   float acc_up[GATED ? MI : 1][GATED ? NI : 1][4] = {};
 
   const int k_tiles = k_dim / BK;
+  const int k_groups = (k_tiles + KG - 1) / KG;  // the last group may be short
+  const auto load_group = [&](int g) {
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < k_tiles) loader.load(s_a + s * Loader::A_BYTES, s_b + s * Loader::B_BYTES, a, n_out, k_dim, s);
+    for (int j = 0; j < KG; ++j) {
+      const int sub = (g % STAGES) * KG + j;
+      if (g * KG + j < k_tiles)
+        loader.load(s_a + sub * Loader::A_BYTES, s_b + sub * Loader::B_BYTES, a, n_out, k_dim, g * KG + j);
+    }
+  };
+#pragma unroll
+  for (int g = 0; g < STAGES - 1; ++g) {
+    if (g < k_groups) load_group(g);
     cp_async_commit();
   }
-  for (int kt = 0; kt < k_tiles; ++kt) {
+  for (int g = 0; g < k_groups; ++g) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
-    const int next = kt + STAGES - 1;
-    if (next < k_tiles) {
-      const int stage = next % STAGES;
-      loader.load(s_a + stage * Loader::A_BYTES, s_b + stage * Loader::B_BYTES, a, n_out, k_dim, next);
-    }
+    if (g + STAGES - 1 < k_groups) load_group(g + STAGES - 1);
     cp_async_commit();
 
-    const u32 sa = s_a + (kt % STAGES) * Loader::A_BYTES;
-    const u32 sb = s_b + (kt % STAGES) * Loader::B_BYTES;
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      u32 af[MI][4];
+    for (int j = 0; j < KG; ++j) {
+      if (g * KG + j == k_tiles) break;
+      const u32 sa = s_a + ((g % STAGES) * KG + j) * Loader::A_BYTES;
+      const u32 sb = s_b + ((g % STAGES) * KG + j) * Loader::B_BYTES;
 #pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-        ldmatrix_x4(af[mi], sa + swizzled_offset(warp_m * WTM + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        u32 af[MI][4];
 #pragma unroll
-      for (int nj = 0; nj < NI / 2; ++nj) {
-        const int n_row = warp_n * WTN + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
-        const int chunk = kk * 2 + ((lane >> 3) & 1);
-        u32 bf[4];
-        ldmatrix_x4(bf, sb + swizzled_offset(n_row, chunk));
+        for (int mi = 0; mi < MI; ++mi)
+          ldmatrix_x4(af[mi], sa + swizzled_offset(warp_m * WTM + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
-          F::mma(acc[mi][2 * nj], af[mi], bf[0], bf[1]);
-          F::mma(acc[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
-        }
-        if constexpr (GATED) {
-          ldmatrix_x4(bf, sb + swizzled_offset(BN + n_row, chunk));
+        for (int nj = 0; nj < NI / 2; ++nj) {
+          const int n_row = warp_n * WTN + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
+          const int chunk = kk * 2 + ((lane >> 3) & 1);
+          u32 bf[4];
+          ldmatrix_x4(bf, sb + swizzled_offset(n_row, chunk));
 #pragma unroll
           for (int mi = 0; mi < MI; ++mi) {
-            F::mma(acc_up[mi][2 * nj], af[mi], bf[0], bf[1]);
-            F::mma(acc_up[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
+            F::mma(acc[mi][2 * nj], af[mi], bf[0], bf[1]);
+            F::mma(acc[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
+          }
+          if constexpr (GATED) {
+            ldmatrix_x4(bf, sb + swizzled_offset(BN + n_row, chunk));
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+              F::mma(acc_up[mi][2 * nj], af[mi], bf[0], bf[1]);
+              F::mma(acc_up[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
+            }
           }
         }
       }

@@ -257,3 +257,18 @@ def test_every_plan_matches_reference(tokens, routing, plan_index, monkeypatch):
     rng = np.random.default_rng([tokens, plan_index])
     problem = random_problem(rng, tokens, hidden, 8, inter, 2, routing=routing)
     check_close(run_fused(problem), problem)
+
+
+@pytest.mark.parametrize("plan_index", [i for i, p in enumerate(experts_module.PLANS)
+                                        if max(p.gate_up.k_group, p.down.k_group) > 1])
+@pytest.mark.parametrize("tokens,routing", [(37, "sparse"), (300, "uniform")])
+def test_two_k_tile_stages_with_an_odd_k(tokens, routing, plan_index, monkeypatch):
+    """H = 320 and I = 192 are 5 and 3 K-tiles: the last stage of two K-tiles holds one."""
+    hidden, inter = 320, 192
+    device_id = cupy.cuda.Device().id
+    fitted = experts_module.fitted(experts_module.PLANS[plan_index], hidden, inter,
+                                   _compile.shared_memory_limit(device_id))
+    monkeypatch.setattr(experts_module, "plan", lambda *args: fitted)
+    rng = np.random.default_rng([tokens, plan_index, 1])
+    problem = random_problem(rng, tokens, hidden, 8, inter, 2, routing=routing)
+    check_close(run_fused(problem), problem)
