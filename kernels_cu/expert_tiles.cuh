@@ -24,7 +24,8 @@ struct Tile {
 };
 
 // The tile of work item ``work`` out of m_tiles * (n_out / BN); false when its m-tile does not exist
-// (m_tiles may be an upper bound, as in a grid sized on the host).
+// (m_tiles may be an upper bound, as in a grid sized on the host). An expert of two m-tiles is split
+// about evenly (u8192's ~256 rows as 128 + 128, not 160 + 96), so the two read its weights in step.
 template <int BM, int BN>
 __device__ __forceinline__ bool find_tile(int work, int m_tiles, const int* offsets, const int* tile_offsets,
                                           int num_experts, int n_out, Tile& tile) {
@@ -39,10 +40,13 @@ __device__ __forceinline__ bool find_tile(int work, int m_tiles, const int* offs
     const int mid = (lo + hi) >> 1;
     if (tile_offsets[mid] <= m_tile) lo = mid; else hi = mid;
   }
-  const int row0 = (m_tile - tile_offsets[lo]) * BM;
+  const int count = offsets[lo + 1] - offsets[lo];
+  constexpr int Q = BM % 32 == 0 ? 32 : BM;  // an expert of two chunks splits at a multiple of 32
+  const int per = tile_offsets[lo + 1] - tile_offsets[lo] == 2 ? min(BM, ((count + 1) / 2 + Q - 1) / Q * Q) : BM;
+  const int row0 = (m_tile - tile_offsets[lo]) * per;
   tile.expert = lo;
   tile.slot_base = offsets[lo] + row0;
-  tile.rows = min(BM, offsets[lo + 1] - offsets[lo] - row0);
+  tile.rows = min(per, count - row0);
   tile.n0 = (in_group / group_m) * BN;
   return true;
 }
