@@ -41,12 +41,14 @@ __device__ __forceinline__ bool find_tile(int work, int m_tiles, const int* offs
     if (tile_offsets[mid] <= m_tile) lo = mid; else hi = mid;
   }
   const int count = offsets[lo + 1] - offsets[lo];
-  constexpr int Q = BM % 32 == 0 ? 32 : BM;  // an expert of two chunks splits at a multiple of 32
-  const int per = tile_offsets[lo + 1] - tile_offsets[lo] == 2 ? min(BM, ((count + 1) / 2 + Q - 1) / Q * Q) : BM;
-  const int row0 = (m_tile - tile_offsets[lo]) * per;
+  constexpr int SPLIT_STEP = BM % 32 == 0 ? 32 : BM;  // an expert of two chunks splits at a multiple of this
+  const int chunk_rows = tile_offsets[lo + 1] - tile_offsets[lo] == 2
+                             ? min(BM, ((count + 1) / 2 + SPLIT_STEP - 1) / SPLIT_STEP * SPLIT_STEP)
+                             : BM;
+  const int row0 = (m_tile - tile_offsets[lo]) * chunk_rows;
   tile.expert = lo;
   tile.slot_base = offsets[lo] + row0;
-  tile.rows = min(per, count - row0);
+  tile.rows = min(chunk_rows, count - row0);
   tile.n0 = (in_group / group_m) * BN;
   return true;
 }
