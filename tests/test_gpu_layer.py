@@ -243,20 +243,22 @@ def test_jax_inputs():
     assert back.dtype == jnp.bfloat16 and back.shape == problem[0].shape
 
 
+def check_plan(chosen, hidden, inter, tokens, routing, seed, monkeypatch):
+    """The layer on a random problem (E = 8, k = 2) with the tile plan ``chosen``, whatever T would pick."""
+    fitted = experts_module.fitted(chosen, hidden, inter, _compile.shared_memory_limit(cupy.cuda.Device().id))
+    monkeypatch.setattr(experts_module, "plan", lambda *args: fitted)
+    problem = random_problem(np.random.default_rng(seed), tokens, hidden, 8, inter, 2, routing=routing)
+    check_close(run_fused(problem), problem)
+
+
 @pytest.mark.parametrize("plan_index", range(len(experts_module.PLANS)))
 @pytest.mark.parametrize("tokens,routing", [(37, "sparse"), (700, "uniform"), (700, "one")])
 def test_every_plan_matches_reference(tokens, routing, plan_index, monkeypatch):
     """Each tile plan, whatever T would choose: experts of every size, a chunk of each pass count."""
     chosen = experts_module.PLANS[plan_index]
-    device_id = cupy.cuda.Device().id
-    if chosen.gate_up.kernel == experts_module.PERSISTENT and _compile.compute_capability(device_id) != 90:
+    if chosen.gate_up.kernel == experts_module.PERSISTENT and _compile.compute_capability(cupy.cuda.Device().id) != 90:
         pytest.skip("the persistent kernel needs sm_90")
-    hidden, inter = SIZES[8]
-    fitted = experts_module.fitted(chosen, hidden, inter, _compile.shared_memory_limit(device_id))
-    monkeypatch.setattr(experts_module, "plan", lambda *args: fitted)
-    rng = np.random.default_rng([tokens, plan_index])
-    problem = random_problem(rng, tokens, hidden, 8, inter, 2, routing=routing)
-    check_close(run_fused(problem), problem)
+    check_plan(chosen, *SIZES[8], tokens, routing, [tokens, plan_index], monkeypatch)
 
 
 @pytest.mark.parametrize("plan_index", [i for i, p in enumerate(experts_module.PLANS)
@@ -264,11 +266,4 @@ def test_every_plan_matches_reference(tokens, routing, plan_index, monkeypatch):
 @pytest.mark.parametrize("tokens,routing", [(37, "sparse"), (300, "uniform")])
 def test_two_k_tile_stages_with_an_odd_k(tokens, routing, plan_index, monkeypatch):
     """H = 320 and I = 192 are 5 and 3 K-tiles: the last stage of two K-tiles holds one."""
-    hidden, inter = 320, 192
-    device_id = cupy.cuda.Device().id
-    fitted = experts_module.fitted(experts_module.PLANS[plan_index], hidden, inter,
-                                   _compile.shared_memory_limit(device_id))
-    monkeypatch.setattr(experts_module, "plan", lambda *args: fitted)
-    rng = np.random.default_rng([tokens, plan_index, 1])
-    problem = random_problem(rng, tokens, hidden, 8, inter, 2, routing=routing)
-    check_close(run_fused(problem), problem)
+    check_plan(experts_module.PLANS[plan_index], 320, 192, tokens, routing, [tokens, plan_index, 1], monkeypatch)
