@@ -1,0 +1,75 @@
+"""The SM clock and board power while one workload runs back to back for a few seconds: a suite
+case's CUDA graph (`python benchmarks/clocks.py u8192`) or cuBLAS bf16 8192^3 (`... matmul`).
+`nvidia-smi` samples every 100 ms; the first five samples are dropped. Throttle reason 0x4 is the
+software power cap. NOTES.md v13 has the results: from u2048 up the layer runs at the power cap.
+"""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from cupymoe import MoE, bench  # noqa: E402
+
+SECONDS = 4
+SMI_QUERY = "--query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+
+def workload(name, stream):
+    """A callable that enqueues one run of `name` on `stream`, and its FLOPs (None for a case)."""
+    import cupy
+
+    if name == "matmul":
+        a = cupy.random.standard_normal((8192, 8192), dtype=cupy.float32).astype(bench.BF16)
+        b = a.T.copy()
+        return (lambda: cupy.matmul(a, b)), 2 * 8192**3
+    model, cases = bench.load_suite(bench.DEFAULT_CASES)
+    (case,) = [c for c in cases if c.id == name]
+    x, ids, w = bench.make_case_inputs(case, model)
+    inputs = tuple(cupy.asarray(v) for v in (x, ids, w))
+    moe = MoE(*bench.expert_weights(model))
+    moe(*inputs, check_ids=False)
+    stream.begin_capture()
+    moe(*inputs, check_ids=False)
+    graph = stream.end_capture()
+    return (lambda: graph.launch(stream)), None
+
+
+def main(name) -> int:
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        run, flop = workload(name, stream)
+        for _ in range(20):
+            run()
+        stream.synchronize()
+        smi = subprocess.Popen(["nvidia-smi", SMI_QUERY, "--format=csv,noheader,nounits", "-lms", "100"],
+                               stdout=subprocess.PIPE, text=True)
+        start, calls = time.time(), 0
+        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+        begin.record(stream)
+        while time.time() - start < SECONDS:
+            for _ in range(10):
+                run()
+            calls += 10
+            stream.synchronize()
+        end.record(stream)
+        end.synchronize()
+        smi.terminate()
+        samples = [line.split(",") for line in smi.communicate()[0].strip().splitlines()[5:]]
+    ms = cupy.cuda.get_elapsed_time(begin, end) / calls
+    clock = np.median([float(s[0]) for s in samples])
+    power = np.median([float(s[1]) for s in samples])
+    reasons = sorted({s[3].strip() for s in samples})
+    rate = f", {flop / ms / 1e9:.0f} TFLOP/s" if flop else ""
+    print(f"{name}: {ms:.3f} ms per call{rate} | SM clock median {clock:.0f} MHz, power {power:.0f} W, "
+          f"{samples[-1][2].strip()} C, throttle reasons {reasons}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "u8192"))
