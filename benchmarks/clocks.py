@@ -23,9 +23,10 @@ def workload(name, stream):
     import cupy
 
     if name == "matmul":
-        a = cupy.random.standard_normal((8192, 8192), dtype=cupy.float32).astype(bench.BF16)
+        n = bench.MATMUL_N  # the size of the suite's matmul ceiling probe
+        a = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(bench.BF16)
         b = a.T.copy()
-        return (lambda: cupy.matmul(a, b)), 2 * 8192**3
+        return (lambda: cupy.matmul(a, b)), 2 * n**3
     model, cases = bench.load_suite(bench.DEFAULT_CASES)
     (case,) = [c for c in cases if c.id == name]
     x, ids, w = bench.make_case_inputs(case, model)
