@@ -20,8 +20,7 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
   using Loader = TileLoader<BM, BN, THREADS, GATED>;
 
   Tile tile;
-  const int m_bound = gridDim.x / (n_out / BN);
-  if (!find_tile<BM, BN>(blockIdx.x, m_bound, offsets, tile_offsets, num_experts, n_out, tile)) return;
+  if (!find_tile<BM, BN>(blockIdx.x, offsets, tile_offsets, num_experts, n_out, tile)) return;
   const Loader loader(tile, sorted_slots, top_k, w, n_out, k_dim);
 
   extern __shared__ __align__(128) unsigned char smem[];

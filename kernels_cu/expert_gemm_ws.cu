@@ -154,7 +154,7 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
         break;
       }
       Tile tile;
-      find_tile<SLOTS, BN>(work, m_tiles, offsets, tile_offsets, num_experts, n_out, tile);
+      find_tile<SLOTS, BN>(work, offsets, tile_offsets, num_experts, n_out, tile);
       const Gather gather(tile, sorted_slots, top_k);
       const int w_row = tile.expert * (GATED ? 2 * n_out : n_out) + tile.n0;  // the tile's first weight row
       for (int kt = 0; kt < k_tiles; ++kt) {
@@ -184,7 +184,7 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
     const int work = stage_work[stage];
     if (work < 0) break;
     Tile tile;
-    find_tile<SLOTS, BN>(work, m_tiles, offsets, tile_offsets, num_experts, n_out, tile);
+    find_tile<SLOTS, BN>(work, offsets, tile_offsets, num_experts, n_out, tile);
     const int passes = (tile.rows + STAGED_SLOTS - 1) / STAGED_SLOTS;  // of the MMA's N and the epilogue
     int previous = -1;
     for (int kt = 0; kt < k_tiles; ++kt) {

@@ -1,9 +1,9 @@
 // What every expert GEMM kernel shares: which tile a block computes, how its operands stream into
 // shared memory, and how a pair of output columns is written.
 //
-// The m-tiles of all experts form one list (tile_offsets, written by dispatch_scan); block indices are
-// swizzled in groups of GROUP_M m-tiles across all n-tiles, so neighbouring blocks share weight tiles
-// in L2.
+// The m-tiles of all experts form one list (tile_offsets, written by dispatch_scan). Work items run
+// expert by expert; an expert's m-tiles go in groups of up to GROUP_M, each group across all n-tiles
+// with its m-tiles innermost, so neighbouring items share a weight tile or a tile's rows in L2.
 //   GATED (gate/up):  A rows are gathered from x through sorted_slots; the B tile holds gate rows
 //                     [n0, n0+BN) then up rows [N+n0, N+n0+BN) of w13[e]; C is h [S, N], N = I.
 //   !GATED (down):    A rows are this expert's rows of h; B holds rows [n0, n0+BN) of w2[e]; C is y [S, N].
@@ -23,29 +23,32 @@ struct Tile {
   int n0;         // first output column
 };
 
-// The tile of work item ``work`` out of m_tiles * (n_out / BN); false when its m-tile does not exist
-// (m_tiles may be an upper bound, as in a grid sized on the host). An expert of two m-tiles is split
-// about evenly (u8192's ~256 rows as 128 + 128, not 160 + 96), so the two read its weights in step.
+// The tile of work item ``work``; false past the last (a grid sized on the host may have more blocks).
+// An expert of two m-tiles is split about evenly (u8192's ~256 rows as 128 + 128, not 160 + 96), so
+// the two read its weights in step.
 template <int BM, int BN>
-__device__ __forceinline__ bool find_tile(int work, int m_tiles, const int* offsets, const int* tile_offsets,
-                                          int num_experts, int n_out, Tile& tile) {
+__device__ __forceinline__ bool find_tile(int work, const int* offsets, const int* tile_offsets, int num_experts,
+                                          int n_out, Tile& tile) {
   const int n_tiles = n_out / BN;
-  const int first_m = (work / (GROUP_M * n_tiles)) * GROUP_M;
-  const int group_m = min(GROUP_M, m_tiles - first_m);
-  const int in_group = work % (GROUP_M * n_tiles);
-  const int m_tile = first_m + in_group % group_m;
-  if (m_tile >= tile_offsets[num_experts]) return false;
-  int lo = 0, hi = num_experts;  // tile_offsets[lo] <= m_tile < tile_offsets[hi]
+  const int m_tile_of_work = work / n_tiles;  // items of expert e: [tile_offsets[e], tile_offsets[e + 1]) * n_tiles
+  if (m_tile_of_work >= tile_offsets[num_experts]) return false;
+  int lo = 0, hi = num_experts;  // tile_offsets[lo] <= m_tile_of_work < tile_offsets[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
-    if (tile_offsets[mid] <= m_tile) lo = mid; else hi = mid;
+    if (tile_offsets[mid] <= m_tile_of_work) lo = mid; else hi = mid;
   }
+  const int expert_tiles = tile_offsets[lo + 1] - tile_offsets[lo];
+  const int local = work - tile_offsets[lo] * n_tiles;
+  const int first_m = local / (GROUP_M * n_tiles) * GROUP_M;  // the group's first m-tile, within the expert
+  const int group_m = min(GROUP_M, expert_tiles - first_m);
+  const int in_group = local - first_m * n_tiles;
+  const int m_tile = first_m + in_group % group_m;  // ... of the expert
   const int count = offsets[lo + 1] - offsets[lo];
   constexpr int SPLIT_STEP = BM % 32 == 0 ? 32 : BM;  // an expert of two chunks splits at a multiple of this
-  const int chunk_rows = tile_offsets[lo + 1] - tile_offsets[lo] == 2
+  const int chunk_rows = expert_tiles == 2
                              ? min(BM, ((count + 1) / 2 + SPLIT_STEP - 1) / SPLIT_STEP * SPLIT_STEP)
                              : BM;
-  const int row0 = (m_tile - tile_offsets[lo]) * chunk_rows;
+  const int row0 = m_tile * chunk_rows;
   tile.expert = lo;
   tile.slot_base = offsets[lo] + row0;
   tile.rows = min(chunk_rows, count - row0);
