@@ -1,9 +1,10 @@
 // Per-expert GEMMs on Hopper (sm_90a): persistent, warp-specialised wgmma kernel, operands swapped
 // (the weights are the MMA's rows, a tile's slots its columns).
 // Warpgroup 0 produces: it claims tiles from a device-side counter (zeroed by the dispatch scan),
-// gathers each tile's SLOTS A rows (slots of x or h) with cp.async (expert_tiles.cuh) and loads its
-// 256-row weight tile by TMA (gate/up: 128 gate rows then 128 up rows; down: 256 rows), through
-// STAGES shared stages handed over by full and empty mbarriers. Warpgroups 1 and 2 consume, keeping
+// each while the previous one's last K-tiles load, gathers each tile's SLOTS A rows (slots of x or
+// h) with cp.async (expert_tiles.cuh) and loads its 256-row weight tile by TMA (gate/up: 128 gate
+// rows then 128 up rows; down: 256 rows), through STAGES shared stages handed over by full and
+// empty mbarriers; a tile's first stage carries its coordinates. Warpgroups 1 and 2 consume, keeping
 // one K-tile of MMAs in flight: each owns 128 of the weight rows as two m64 blocks and multiplies
 // them by the tile's slots (m64nNk16, N = SLOTS, or less for an expert's last, short chunk: rows
 // rounded up to 32), so an expert's few rows do not pad the MMA to all SLOTS. Gate/up pairs each
@@ -23,6 +24,7 @@ constexpr int CONSUMERS = 2;
 constexpr int WEIGHT_ROWS = 256;  // weight rows per tile
 constexpr int BOX_ROWS = 128;     // weight rows per TMA box (cupymoe/_tma.py encodes the same)
 constexpr int STAGED_SLOTS = 32;  // slots per pass of the epilogue (cupymoe/experts.py: STAGED_SLOTS)
+constexpr int CLAIM_AHEAD = 3;    // K-tiles before a tile's end at which the producer claims the next
 
 // One consumer's share of a tile: accumulators, MMAs and epilogue.
 template <class T, int SLOTS, bool GATED>
@@ -115,8 +117,8 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   using Gather = RowGather<SLOTS, 128, GATED>;
 
   extern __shared__ unsigned char smem[];
-  __shared__ int stage_work[STAGES];  // the tile whose first K-tile a stage holds; -1: no more tiles
-  __shared__ int claimed[2];          // the producer's last two claims, for its 128 threads
+  __shared__ Tile stage_tile[STAGES];  // the tile whose first K-tile a stage holds; rows -1: no more tiles
+  __shared__ int claimed[2];           // the producer's last two claims, for its 128 threads
   const u32 s_a = (smem_addr(smem) + 1023) & ~1023u;  // the swizzle repeats every 1024 bytes
   const u32 s_b = s_a + STAGES * A_BYTES;
   const u32 full = s_b + STAGES * B_BYTES;  // STAGES mbarriers of 8 bytes, then STAGES "empty"
@@ -130,8 +132,6 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   }
   __syncthreads();
 
-  const int n_tiles = n_out / BN;
-  const int m_tiles = tile_offsets[num_experts];
   const int k_tiles = k_dim / BK;
   int stage = 0;
   u32 phase = 0;  // parity of the stage's current round
@@ -142,36 +142,42 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   if (threadIdx.x < 128) {
     warpgroup_registers_dec<PRODUCER_REGISTERS>();
     int* next_work = tile_offsets + num_experts + 1;
-    for (int claim = 0;; ++claim) {
-      if (threadIdx.x == 0) claimed[claim & 1] = atomicAdd(next_work, 1);
-      named_barrier_sync(1, 128);
-      const int work = claimed[claim & 1];
-      if (work >= m_tiles * n_tiles) {
-        mbarrier_wait(empty + 8 * stage, phase ^ 1);
-        if (threadIdx.x == 0) stage_work[stage] = -1;
-        mbarrier_arrive(full + 8 * stage);
-        if (threadIdx.x == 0) mbarrier_arrive(full + 8 * stage);
-        break;
-      }
-      Tile tile;
-      find_tile<SLOTS, BN>(work, offsets, tile_offsets, num_experts, n_out, tile);
-      const Gather gather(tile, sorted_slots, top_k);
+    // The next tile is claimed while the current one's last K-tiles load, and found and its rows
+    // read once the last is issued, so a stage freed at the tile boundary is refilled soon after.
+    const int claim_kt = max(k_tiles - CLAIM_AHEAD, 0);
+    if (threadIdx.x == 0) claimed[0] = atomicAdd(next_work, 1);
+    named_barrier_sync(1, 128);
+    Tile tile;
+    bool more = find_tile<SLOTS, BN>(claimed[0], offsets, tile_offsets, num_experts, n_out, tile);
+    Gather gather;
+    if (more) gather = Gather(tile, sorted_slots, top_k);
+    for (int claim = 1; more; ++claim) {  // claimed[] alternates between tiles
       const int w_row = tile.expert * (GATED ? 2 * n_out : n_out) + tile.n0;  // the tile's first weight row
+      int next_claim = 0;
       for (int kt = 0; kt < k_tiles; ++kt) {
         mbarrier_wait(empty + 8 * stage, phase ^ 1);
         gather.load(s_a + stage * A_BYTES, a, k_dim, kt);
         mbarrier_arrive_after_cp_async(full + 8 * stage);
         if (threadIdx.x == 0) {
-          if (kt == 0) stage_work[stage] = work;
+          if (kt == 0) stage_tile[stage] = tile;
           mbarrier_arrive_expect_tx(full + 8 * stage, B_BYTES);
           for (int row = 0; row < WEIGHT_ROWS; row += BOX_ROWS) {
             const int skip = (GATED && row >= BN) ? n_out - BN : 0;  // rows from BN on: the up projection
             tma_load_2d(s_b + stage * B_BYTES + row * 128, w_map, kt * BK, w_row + row + skip, full + 8 * stage);
           }
+          if (kt == claim_kt) next_claim = atomicAdd(next_work, 1);
         }
         advance();
       }
+      if (threadIdx.x == 0) claimed[claim & 1] = next_claim;
+      named_barrier_sync(1, 128);
+      more = find_tile<SLOTS, BN>(claimed[claim & 1], offsets, tile_offsets, num_experts, n_out, tile);
+      if (more) gather = Gather(tile, sorted_slots, top_k);
     }
+    mbarrier_wait(empty + 8 * stage, phase ^ 1);
+    if (threadIdx.x == 0) stage_tile[stage].rows = -1;
+    mbarrier_arrive(full + 8 * stage);
+    if (threadIdx.x == 0) mbarrier_arrive(full + 8 * stage);
     return;
   }
 
@@ -181,10 +187,8 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   Consumer tile_acc;
   for (;;) {
     mbarrier_wait(full + 8 * stage, phase);
-    const int work = stage_work[stage];
-    if (work < 0) break;
-    Tile tile;
-    find_tile<SLOTS, BN>(work, offsets, tile_offsets, num_experts, n_out, tile);
+    const Tile tile = stage_tile[stage];
+    if (tile.rows < 0) break;
     const int passes = (tile.rows + STAGED_SLOTS - 1) / STAGED_SLOTS;  // of the MMA's N and the epilogue
     int previous = -1;
     for (int kt = 0; kt < k_tiles; ++kt) {

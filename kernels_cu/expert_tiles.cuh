@@ -68,6 +68,7 @@ struct RowGather {
 
   int a_row[A_ITERS];  // row of a (x or h) for each A row this thread loads; -1: past the expert
 
+  RowGather() = default;
   __device__ __forceinline__ RowGather(const Tile& t, const int* sorted_slots, int top_k) {
     const int r0 = threadIdx.x >> 3;
 #pragma unroll

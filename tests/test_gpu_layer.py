@@ -267,3 +267,27 @@ def test_every_plan_matches_reference(tokens, routing, plan_index, monkeypatch):
 def test_two_k_tile_stages_with_an_odd_k(tokens, routing, plan_index, monkeypatch):
     """H = 320 and I = 192 are 5 and 3 K-tiles: the last stage of two K-tiles holds one."""
     check_plan(experts_module.PLANS[plan_index], 320, 192, tokens, routing, [tokens, plan_index, 1], monkeypatch)
+
+
+def test_experts_of_every_size_give_the_same_bits_on_every_plan(monkeypatch):
+    """Experts of 1 to 156 rows, one in each band of 8 (k = 1): every plan matches the reference and
+    gives the same bits, whatever its tiles and the MMA width it picks for each chunk."""
+    experts, step = 20, 8
+    counts = [step * e + 1 + e % step for e in range(experts)]  # ceil(count / 8) = e + 1
+    rng = np.random.default_rng(160)
+    hidden, inter = SIZES[8]
+    x, w13, w2, _, weights = random_problem(rng, sum(counts), hidden, experts, inter, 1)
+    ids = rng.permutation(np.repeat(np.arange(experts, dtype=np.int32), counts))[:, None]
+    problem = (x, w13, w2, ids, weights)
+    limit = _compile.shared_memory_limit(cupy.cuda.Device().id)
+    bits = {}
+    for index, chosen in enumerate(experts_module.PLANS):
+        if chosen.gate_up.kernel == experts_module.PERSISTENT and _compile.compute_capability(cupy.cuda.Device().id) != 90:
+            continue
+        fitted = experts_module.fitted(chosen, hidden, inter, limit)
+        monkeypatch.setattr(experts_module, "plan", lambda *args, p=fitted: p)
+        got = run_fused(problem)
+        check_close(got, problem)
+        bits[index] = host_bits(got)
+    for index, got in bits.items():
+        np.testing.assert_array_equal(got, bits[0], err_msg=f"plan {index} against plan 0")
