@@ -17,30 +17,50 @@ SCATTER_THREADS = 256
 FUSED_WARPS = 8  # FUSED_WARPS in dispatch.cu
 FUSED_MAX_SLOTS = FUSED_WARPS * CHUNK  # up to here one block does all three steps (one launch, not three)
 FUSED_MAX_SHARED = 160 * 1024
+# dispatch.cu's TileMap, passed by value: one GEMM's m-tile map for the plan and its skewed plan.
+TILE_MAP = np.dtype({"names": ["block_m", "skewed_block_m", "tiles"], "formats": [np.int32, np.int32, np.uint64],
+                     "offsets": [0, 4, 8], "itemsize": 16, "aligned": True})
 
 
 class DispatchBuffers:
     """Device arrays for dispatching S slots over E experts, including the GEMMs' m-tile maps."""
 
-    def __init__(self, slots: int, experts: int, block_m_gate_up: int, block_m_down: int):
+    def __init__(self, slots: int, experts: int, plan=None):
+        """``plan`` (an experts.Plan) sets the tile maps' rows per tile; None: no tile maps."""
         import cupy
 
         self.slots, self.experts = slots, experts
-        self.block_m_gate_up, self.block_m_down = block_m_gate_up, block_m_down
         self.chunks = max(1, -(-slots // CHUNK))
         self.counts = cupy.empty(experts, np.int32)
         self.offsets = cupy.empty(experts + 1, np.int32)
         self.sorted_slots = cupy.empty(slots, np.int32)
         self.slot_positions = cupy.empty(slots, np.int32)
-        # First m-tile of each expert, the total, and a tile counter for the persistent GEMM.
-        self.tiles_gate_up = cupy.empty(experts + 2, np.int32)
-        self.tiles_down = cupy.empty(experts + 2, np.int32)
+        # First m-tile of each expert, the total, a tile counter for the persistent GEMM, and
+        # which plan the tiles are for (0: the plan's own, 1: its skewed plan).
+        self.tiles_gate_up = cupy.empty(experts + 3, np.int32)
+        self.tiles_down = cupy.empty(experts + 3, np.int32)
+        if plan is None:  # the public dispatch: maps of one-row tiles, which nothing reads
+            block_m, skewed_block_m, skew_rows = (1, 1), (1, 1), 0
+        else:
+            skewed = plan.skewed or plan
+            block_m = (plan.gate_up.block_m, plan.down.block_m)
+            skewed_block_m = (skewed.gate_up.block_m, skewed.down.block_m)
+            skew_rows = plan.skew_rows if plan.skewed else 0
+        self.skew_rows = np.int32(skew_rows)
+        self.tile_maps = tuple(_tile_map(*args) for args in
+                               zip(block_m, skewed_block_m, (self.tiles_gate_up, self.tiles_down)))
         self.chunk_starts = cupy.empty(experts * self.chunks, np.int32)
         self.rank = cupy.empty(max(1, slots), np.int32)
 
     def public(self, top_k: int) -> Dispatch:
         return Dispatch(self.experts, top_k, self.counts, self.offsets, self.sorted_slots,
                         self.slot_positions)
+
+
+def _tile_map(block_m: int, skewed_block_m: int, tiles) -> np.void:
+    out = np.zeros(1, TILE_MAP)
+    out[0] = (block_m, skewed_block_m, tiles.data.ptr)
+    return out[0]
 
 
 def _kernel(name: str, device_id: int, shared_bytes: int):
@@ -69,8 +89,8 @@ def launch(ids, buffers: DispatchBuffers) -> None:
     if fused_fits(b.slots, b.experts, _compile.shared_memory_limit(device_id)):
         _kernel(f"dispatch_fused<{id_type}>", device_id, fused_bytes)(
             (1,), (32 * FUSED_WARPS,),
-            (ids, slots, experts, b.counts, b.offsets, np.int32(b.block_m_gate_up), b.tiles_gate_up,
-             np.int32(b.block_m_down), b.tiles_down, b.rank, b.sorted_slots, b.slot_positions),
+            (ids, slots, experts, b.counts, b.offsets, b.skew_rows, *b.tile_maps, b.rank, b.sorted_slots,
+             b.slot_positions),
             shared_mem=fused_bytes)
         return
     chunks = np.int32(b.chunks)
@@ -84,14 +104,13 @@ def launch(ids, buffers: DispatchBuffers) -> None:
     offsets_bytes = (b.experts + 1) * 4
     _kernel(f"dispatch_scatter<{id_type}>", device_id, offsets_bytes)(
         (max(1, -(-b.slots // SCATTER_THREADS)),), (SCATTER_THREADS,),
-        (ids, slots, experts, chunks, b.chunk_starts, b.rank, b.counts, b.offsets,
-         np.int32(b.block_m_gate_up), b.tiles_gate_up, np.int32(b.block_m_down), b.tiles_down,
-         b.sorted_slots, b.slot_positions), shared_mem=offsets_bytes)
+        (ids, slots, experts, chunks, b.chunk_starts, b.rank, b.counts, b.offsets, b.skew_rows,
+         *b.tile_maps, b.sorted_slots, b.slot_positions), shared_mem=offsets_bytes)
 
 
 def run(ids, experts: int) -> DispatchBuffers:
     """Dispatch ``ids`` [T, k] into freshly allocated buffers (the public ``dispatch`` on the GPU)."""
     tokens, top_k = ids.shape
-    buffers = DispatchBuffers(tokens * top_k, experts, 1, 1)
+    buffers = DispatchBuffers(tokens * top_k, experts)
     launch(ids, buffers)
     return buffers

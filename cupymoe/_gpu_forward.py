@@ -16,8 +16,7 @@ class Workspace:
                                  _compile.shared_memory_limit(device_id))
         slots = shape.tokens * shape.top_k
         try:
-            self.dispatch = DispatchBuffers(slots, shape.experts, self.plan.gate_up.block_m,
-                                            self.plan.down.block_m)
+            self.dispatch = DispatchBuffers(slots, shape.experts, self.plan)
             self.h = cupy.empty((slots, shape.intermediate), shape.dtype)  # SwiGLU output, expert order
             self.y = cupy.empty((slots, shape.hidden), shape.dtype)  # down projection, expert order
         except cupy.cuda.memory.OutOfMemoryError as err:
@@ -49,7 +48,7 @@ def forward(a: dict, shape: _checks.Shape, workspace: Workspace, out, check_ids:
         x = x.copy()
     ws = workspace
     launch_dispatch(ids, ws.dispatch)
-    experts.gate_up(x, a["w13"], ws.dispatch, ws.h, shape, ws.plan.gate_up)
-    experts.down(ws.h, a["w2"], ws.dispatch, ws.y, shape, ws.plan.down)
+    experts.gate_up(x, a["w13"], ws.dispatch, ws.h, shape, ws.plan)
+    experts.down(ws.h, a["w2"], ws.dispatch, ws.y, shape, ws.plan)
     combine.run(ws.y, ws.dispatch.slot_positions, weights, out, shape)
     return out

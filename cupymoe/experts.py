@@ -59,8 +59,24 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class Plan:
+    """Both GEMMs' configs, and optionally a plan the GPU runs instead when the routing is skewed."""
+
     gate_up: GemmConfig
     down: GemmConfig
+    # Launched too; the dispatch picks it when one expert holds skew_rows slots or more (dispatch.cu).
+    skewed: Plan | None = None
+
+    @property
+    def skew_rows(self) -> int:
+        """An expert this large (SKEW_CHUNKS of this plan's chunks) makes the routing skewed."""
+        return SKEW_CHUNKS * max(self.gate_up.block_m, self.down.block_m)
+
+    def launches(self, gated: bool) -> tuple:
+        """(config, plan index) of each launch of one GEMM: index 0 works if the dispatch keeps this
+        plan, 1 if it takes the skewed one, -1 always (no alternative for this GEMM)."""
+        own = self.gate_up if gated else self.down
+        other = None if self.skewed is None else self.skewed.gate_up if gated else self.skewed.down
+        return ((own, -1),) if other in (None, own) else ((own, 0), (other, 1))
 
 
 def _persistent_plan(block_m: int, stages: int) -> Plan:
@@ -86,6 +102,11 @@ _PERSISTENT_160 = _persistent_plan(160, 4)
 PLANS = (_TINY, _SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT_64, _PERSISTENT_96, _PERSISTENT_160)
 TINY_ROWS = 2  # beyond, a skewed routing's busy experts favour the wider tiles
 SMALL_ROWS = 12
+# From this many rows per expert on sm_90 the 160-slot plan stands by for skewed routing: when one
+# expert holds SKEW_CHUNKS chunks of the plan T chose, the busy experts' few long chunks beat many
+# short ones (NOTES.md, v17).
+SKEWED_MIN_ROWS = 7
+SKEW_CHUNKS = 4
 MEDIUM_32_ROWS = 24
 MEDIUM_ROWS = 64
 PERSISTENT_64_ROWS = 48
@@ -133,13 +154,20 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
         chosen = _MEDIUM
     else:
         chosen = _LARGE
+    if sm90 and rows_per_expert >= SKEWED_MIN_ROWS and chosen is not _PERSISTENT_160:
+        chosen = replace(chosen, skewed=_PERSISTENT_160)
     return fitted(chosen, hidden, intermediate, shared_limit)
 
 
 def fitted(chosen: Plan, hidden: int, intermediate: int, shared_limit: int) -> Plan:
-    """``chosen`` with tiles that divide H and I and pipelines that fit ``shared_limit`` bytes."""
-    return Plan(_fit_shared(_fit(chosen.gate_up, _LARGE.gate_up, intermediate), True, shared_limit),
-                _fit_shared(_fit(chosen.down, _LARGE.down, hidden), False, shared_limit))
+    """``chosen`` (and its skewed plan) with tiles that divide H and I and pipelines that fit
+    ``shared_limit`` bytes. A skewed plan that fits to the same configs is dropped."""
+    own = Plan(_fit_shared(_fit(chosen.gate_up, _LARGE.gate_up, intermediate), True, shared_limit),
+               _fit_shared(_fit(chosen.down, _LARGE.down, hidden), False, shared_limit))
+    if chosen.skewed is None:
+        return own
+    skewed = fitted(chosen.skewed, hidden, intermediate, shared_limit)
+    return own if skewed == own else replace(own, skewed=skewed)
 
 
 @functools.lru_cache(maxsize=None)  # every launch asks; building the list takes ~20 us
@@ -159,8 +187,8 @@ def max_m_tiles(slots: int, experts: int, block_m: int) -> int:
     return -(-slots // block_m) + min(experts, slots)
 
 
-def _launch(cfg: GemmConfig, gated: bool, dtype, device_id: int, a, sorted_slots, top_k, w, offsets,
-            tile_offsets, experts, n_out, k_dim, c, slots):
+def _launch(cfg: GemmConfig, plan_index: int, gated: bool, dtype, device_id: int, a, sorted_slots, top_k,
+            w, offsets, tile_offsets, experts, n_out, k_dim, c, slots):
     name = cfg.name_expression(dtype, gated)
     names = name_expressions(cfg.source, dtype)
     if name not in names:  # stages cut for a GPU with less shared memory: a module of its own
@@ -174,20 +202,22 @@ def _launch(cfg: GemmConfig, gated: bool, dtype, device_id: int, a, sorted_slots
         grid = min(grid, _compile.multiprocessors(device_id))  # one block per SM claims tiles
         w = _tma.weight_rows_map(w)  # the weight tiles come by TMA
     kernel((grid,), (cfg.threads,),
-           (a, sorted_slots, np.int32(top_k), w, offsets, tile_offsets, np.int32(experts),
-            np.int32(n_out), np.int32(k_dim), c),
+           (a, sorted_slots, np.int32(top_k), w, offsets, tile_offsets, np.int32(plan_index),
+            np.int32(experts), np.int32(n_out), np.int32(k_dim), c),
            shared_mem=smem)
 
 
-def gate_up(x, w13, dispatch, h, shape, cfg: GemmConfig):
+def gate_up(x, w13, dispatch, h, shape, chosen: Plan):
     """h[p] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T) for each sorted slot p = (t, e)."""
-    _launch(cfg, True, shape.dtype, x.device.id, x, dispatch.sorted_slots, shape.top_k, w13,
-            dispatch.offsets, dispatch.tiles_gate_up, shape.experts, shape.intermediate,
-            shape.hidden, h, shape.tokens * shape.top_k)
+    for cfg, index in chosen.launches(gated=True):
+        _launch(cfg, index, True, shape.dtype, x.device.id, x, dispatch.sorted_slots, shape.top_k, w13,
+                dispatch.offsets, dispatch.tiles_gate_up, shape.experts, shape.intermediate,
+                shape.hidden, h, shape.tokens * shape.top_k)
 
 
-def down(h, w2, dispatch, y, shape, cfg: GemmConfig):
+def down(h, w2, dispatch, y, shape, chosen: Plan):
     """y[p] = h[p] @ w2[e].T for each sorted slot p of expert e."""
-    _launch(cfg, False, shape.dtype, h.device.id, h, dispatch.sorted_slots, shape.top_k, w2,
-            dispatch.offsets, dispatch.tiles_down, shape.experts, shape.hidden,
-            shape.intermediate, y, shape.tokens * shape.top_k)
+    for cfg, index in chosen.launches(gated=False):
+        _launch(cfg, index, False, shape.dtype, h.device.id, h, dispatch.sorted_slots, shape.top_k, w2,
+                dispatch.offsets, dispatch.tiles_down, shape.experts, shape.hidden,
+                shape.intermediate, y, shape.tokens * shape.top_k)

@@ -107,25 +107,52 @@ __device__ int block_exclusive_scan(int* data, long long n, int* warp_sums) {
   return carry;
 }
 
-// Writes m-tile counts of block_m rows per expert, then scans them: tiles[e] = first tile of e,
-// tiles[E] = all m-tiles. tiles[E + 1] is zeroed: the persistent GEMM's tile counter.
-__device__ void tile_map(const int* offsets, int num_experts, int block_m, int* tiles, int* warp_sums) {
-  for (int e = threadIdx.x; e <= num_experts + 1; e += blockDim.x)
-    tiles[e] = e < num_experts ? (offsets[e + 1] - offsets[e] + block_m - 1) / block_m : 0;
+// The m-tile map of one GEMM for each of the two plans the host may give (cupymoe/experts.py):
+// its own, of block_m rows per tile, and the one for skewed routing, of skewed_block_m.
+struct TileMap {
+  int block_m;
+  int skewed_block_m;
+  int* tiles;
+};
+
+// Whether the host's skewed plan runs: some expert holds at least skew_rows slots (skew_rows 0:
+// the host gave no such plan). The same in every thread of the block.
+__device__ bool routing_skewed(const int* offsets, int num_experts, int skew_rows) {
+  bool found = false;
+  for (int e = threadIdx.x; skew_rows > 0 && e < num_experts; e += blockDim.x)
+    found |= offsets[e + 1] - offsets[e] >= skew_rows;
+  return __syncthreads_or(found);
+}
+
+// Writes m-tile counts per expert for the chosen plan, then scans them: tiles[e] = first tile of
+// e, tiles[E] = all m-tiles. tiles[E + 1] is zeroed (the persistent GEMM's tile counter), and
+// tiles[E + 2] says which plan's kernels work (0: the host's own, 1: the skewed one).
+__device__ void tile_map(const int* offsets, int num_experts, const TileMap& map, bool skewed, int* warp_sums) {
+  const int block_m = skewed ? map.skewed_block_m : map.block_m;
+  for (int e = threadIdx.x; e <= num_experts + 2; e += blockDim.x)
+    map.tiles[e] = e < num_experts ? (offsets[e + 1] - offsets[e] + block_m - 1) / block_m
+                                   : e == num_experts + 2 ? int(skewed) : 0;
   __syncthreads();
-  block_exclusive_scan(tiles, num_experts + 1, warp_sums);
+  block_exclusive_scan(map.tiles, num_experts + 1, warp_sums);
+}
+
+// Both GEMMs' tile maps from the expert offsets.
+__device__ void tile_maps(const int* offsets, int num_experts, int skew_rows, const TileMap& gate_up,
+                          const TileMap& down, int* warp_sums) {
+  const bool skewed = routing_skewed(offsets, num_experts, skew_rows);
+  tile_map(offsets, num_experts, gate_up, skewed, warp_sums);
+  tile_map(offsets, num_experts, down, skewed, warp_sums);
 }
 
 // Scans the expert-major counts in starts into start positions and derives offsets, counts, tile maps.
 __device__ void scan_starts(int* starts, int num_chunks, int num_experts, int* counts, int* offsets,
-                            int block_m_a, int* tiles_a, int block_m_b, int* tiles_b, int* warp_sums) {
+                            int skew_rows, const TileMap& gate_up, const TileMap& down, int* warp_sums) {
   const int total = block_exclusive_scan(starts, (long long)num_experts * num_chunks, warp_sums);
   for (int e = threadIdx.x; e <= num_experts; e += blockDim.x)
     offsets[e] = e < num_experts ? starts[(long long)e * num_chunks] : total;
   __syncthreads();
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = offsets[e + 1] - offsets[e];
-  tile_map(offsets, num_experts, block_m_a, tiles_a, warp_sums);
-  tile_map(offsets, num_experts, block_m_b, tiles_b, warp_sums);
+  tile_maps(offsets, num_experts, skew_rows, gate_up, down, warp_sums);
 }
 
 // Writes the position of ``slot`` of expert e (-1: none), ``first`` being where its (expert, chunk)
@@ -181,9 +208,8 @@ template <class IdT>
 __global__ void dispatch_scatter(const IdT* __restrict__ ids, long long num_slots, int num_experts,
                                  int num_chunks, const int* __restrict__ chunk_starts,
                                  const int* __restrict__ rank, const int* __restrict__ counts,
-                                 int* __restrict__ offsets, int block_m_a, int* __restrict__ tiles_a,
-                                 int block_m_b, int* __restrict__ tiles_b, int* __restrict__ sorted_slots,
-                                 int* __restrict__ slot_positions) {
+                                 int* __restrict__ offsets, int skew_rows, TileMap gate_up, TileMap down,
+                                 int* __restrict__ sorted_slots, int* __restrict__ slot_positions) {
   extern __shared__ int expert_offsets[];
   __shared__ int warp_sums[32];
   for (int e = threadIdx.x; e <= num_experts; e += blockDim.x)
@@ -192,8 +218,7 @@ __global__ void dispatch_scatter(const IdT* __restrict__ ids, long long num_slot
   block_exclusive_scan(expert_offsets, num_experts + 1, warp_sums);
   if (blockIdx.x == 0) {
     for (int e = threadIdx.x; e <= num_experts; e += blockDim.x) offsets[e] = expert_offsets[e];
-    tile_map(expert_offsets, num_experts, block_m_a, tiles_a, warp_sums);
-    tile_map(expert_offsets, num_experts, block_m_b, tiles_b, warp_sums);
+    tile_maps(expert_offsets, num_experts, skew_rows, gate_up, down, warp_sums);
   }
   const long long slot = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (slot >= num_slots) return;
@@ -207,9 +232,8 @@ __global__ void dispatch_scatter(const IdT* __restrict__ ids, long long num_slot
 template <class IdT>
 __global__ void __launch_bounds__(FUSED_WARPS * 32)
 dispatch_fused(const IdT* __restrict__ ids, long long num_slots, int num_experts, int* __restrict__ counts,
-               int* __restrict__ offsets, int block_m_a, int* __restrict__ tiles_a, int block_m_b,
-               int* __restrict__ tiles_b, int* __restrict__ rank, int* __restrict__ sorted_slots,
-               int* __restrict__ slot_positions) {
+               int* __restrict__ offsets, int skew_rows, TileMap gate_up, TileMap down,
+               int* __restrict__ rank, int* __restrict__ sorted_slots, int* __restrict__ slot_positions) {
   extern __shared__ int shared[];
   __shared__ int warp_sums[32];
   int* counters = shared;                               // [warp][expert]
@@ -224,8 +248,7 @@ dispatch_fused(const IdT* __restrict__ ids, long long num_slots, int num_experts
   for (int i = threadIdx.x; i < FUSED_WARPS * num_experts; i += blockDim.x)
     starts[(i % num_experts) * FUSED_WARPS + i / num_experts] = counters[i];
   __syncthreads();
-  scan_starts(starts, FUSED_WARPS, num_experts, counts, offsets, block_m_a, tiles_a, block_m_b, tiles_b,
-              warp_sums);
+  scan_starts(starts, FUSED_WARPS, num_experts, counts, offsets, skew_rows, gate_up, down, warp_sums);
   const int valid_slots = offsets[num_experts];
   for (long long slot = threadIdx.x; slot < num_slots; slot += blockDim.x) {
     const int e = expert_of(ids, slot, num_experts);

@@ -10,7 +10,7 @@ template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATE
 __global__ void __launch_bounds__(WM * WN * 32)
 expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
             const u16* __restrict__ w, const int* __restrict__ offsets,
-            const int* __restrict__ tile_offsets, int num_experts, int n_out, int k_dim,
+            const int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
             u16* __restrict__ c) {
   constexpr int THREADS = WM * WN * 32;
   constexpr int WTM = BM / WM, WTN = BN / WN;
@@ -20,6 +20,7 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
   using Loader = TileLoader<BM, BN, THREADS, GATED>;
 
   Tile tile;
+  if (!plan_chosen(tile_offsets, num_experts, plan)) return;
   if (!find_tile<BM, BN>(blockIdx.x, offsets, tile_offsets, num_experts, n_out, tile)) return;
   const Loader loader(tile, sorted_slots, top_k, w, n_out, k_dim);
 

@@ -109,8 +109,10 @@ template <class T, int SLOTS, int STAGES, bool GATED>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                const __grid_constant__ TensorMap w_map, const int* __restrict__ offsets,
-               int* __restrict__ tile_offsets, int num_experts, int n_out, int k_dim, u16* __restrict__ c) {
+               int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
+               u16* __restrict__ c) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if (!plan_chosen(tile_offsets, num_experts, plan)) return;
   using Consumer = ConsumerTile<T, SLOTS, GATED>;
   constexpr int BN = Consumer::BN;
   constexpr int A_BYTES = SLOTS * 128, B_BYTES = WEIGHT_ROWS * 128;  // one stage

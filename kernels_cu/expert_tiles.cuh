@@ -23,6 +23,13 @@ struct Tile {
   int n0;         // first output column
 };
 
+// Whether a launch for ``plan`` works: the host may launch the kernels of two plans, its own (0)
+// and one for skewed routing (1), of which the dispatch chose one (tile_map in dispatch.cu); -1:
+// the only plan.
+__device__ __forceinline__ bool plan_chosen(const int* tile_offsets, int num_experts, int plan) {
+  return plan < 0 || tile_offsets[num_experts + 2] == plan;
+}
+
 // The tile of work item ``work``; false past the last (a grid sized on the host may have more blocks).
 // An expert of two m-tiles is split about evenly (u8192's ~256 rows as 128 + 128, not 160 + 96), so
 // the two read its weights in step.

@@ -3,6 +3,7 @@
 Every output buffer is filled with NaN before a run, so a row the kernels fail to write shows
 up as an error. Sizes are kept moderate so the file runs in well under a minute on one GPU.
 """
+import dataclasses
 import os
 
 import numpy as np
@@ -291,3 +292,26 @@ def test_experts_of_every_size_give_the_same_bits_on_every_plan(monkeypatch):
         bits[index] = host_bits(got)
     for index, got in bits.items():
         np.testing.assert_array_equal(got, bits[0], err_msg=f"plan {index} against plan 0")
+
+
+@pytest.mark.parametrize("tokens", [320, 2500])  # one-block and three-kernel dispatch
+@pytest.mark.parametrize("routing", ["uniform", "one"])
+def test_skewed_routing_takes_the_skewed_plan(tokens, routing, monkeypatch):
+    """E = 64, k = 2 (10 and 78 rows per expert): T's plan has a 160-slot plan for skewed routing, which
+    the dispatch takes when one expert has every token. Either way the bits are T's plan's alone."""
+    if _compile.compute_capability(cupy.cuda.Device().id) != 90:
+        pytest.skip("the skewed plan is the persistent kernel's (sm_90)")
+    hidden, inter = SIZES[64]
+    problem = random_problem(np.random.default_rng([tokens, routing == "one"]), tokens, hidden, 64, inter, 2,
+                             routing=routing)
+    args = to_gpu(*problem)
+    layer = cupymoe.MoE(args[1], args[2])
+    got = layer(args[0], args[3], args[4], out=poison(cupy.empty(args[0].shape, args[0].dtype)))
+    workspace = layer._workspaces[(tokens, 2)][0]
+    assert workspace.plan.skewed is not None
+    for tiles in (workspace.dispatch.tiles_gate_up, workspace.dispatch.tiles_down):
+        assert int(tiles[-1]) == (routing == "one")  # the plan the dispatch chose
+    check_close(got, problem)
+    alone = dataclasses.replace(workspace.plan, skewed=None)
+    monkeypatch.setattr(experts_module, "plan", lambda *args: alone)
+    np.testing.assert_array_equal(host_bits(run_fused(problem, args)), host_bits(got))

@@ -79,3 +79,29 @@ def test_one_block_dispatch_only_where_its_shared_memory_fits():
     assert _gpu_dispatch.fused_fits(64, experts_99k, SHARED_LIMITS[86])
     assert not _gpu_dispatch.fused_fits(64, experts_99k + 1, SHARED_LIMITS[86])
     assert _gpu_dispatch.fused_fits(64, experts_99k + 1, SHARED_LIMITS[90])
+
+
+def test_160_slot_plan_stands_by_for_skewed_routing_on_sm90():
+    """From SKEWED_MIN_ROWS rows per expert, where T's plan has shorter chunks, both are launched."""
+    def plan(tokens, cc=90, hidden=4096, inter=1024):
+        return experts.plan(tokens, 8, 256, hidden, inter, cc, SHARED_LIMITS[cc])
+    first = experts.SKEWED_MIN_ROWS * 256 // 8
+    assert plan(first - 1).skewed is None
+    for tokens in (first, 512, 2048):
+        p = plan(tokens)
+        assert p.skewed == experts.fitted(experts._PERSISTENT_160, 4096, 1024, SHARED_LIMITS[90])
+        assert p.skew_rows == experts.SKEW_CHUNKS * p.gate_up.block_m
+        assert p.launches(gated=True) == ((p.gate_up, 0), (p.skewed.gate_up, 1))
+        assert p.launches(gated=False) == ((p.down, 0), (p.skewed.down, 1))
+    assert plan(4096).skewed is None  # already the 160-slot plan
+    assert plan(512, cc=80).skewed is None
+    assert plan(8192).launches(gated=True) == ((plan(8192).gate_up, -1),)
+    # Where neither plan's persistent tiles divide H and I, both fall back to the same configs.
+    assert plan(2048, hidden=4096 + 64, inter=1024 + 64).skewed is None
+
+
+@pytest.mark.parametrize("cc,hidden,inter,p", [case for case in plans() if case[3].skewed])
+def test_skewed_plans_fit_and_are_precompiled(cc, hidden, inter, p):
+    test_configs_fit_the_problem_and_the_gpu(cc, hidden, inter, p.skewed)
+    for cfg, gated in ((p.skewed.gate_up, True), (p.skewed.down, False)):
+        assert cfg.name_expression(_checks.BFLOAT16, gated) in experts.name_expressions(cfg.source, _checks.BFLOAT16)
