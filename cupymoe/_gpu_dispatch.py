@@ -15,7 +15,9 @@ COUNT_WARPS = 4
 EXPERT_SCAN_WARPS = 8  # EXPERT_SCAN_WARPS in dispatch.cu
 SCATTER_THREADS = 256
 FUSED_WARPS = 8  # FUSED_WARPS in dispatch.cu
-FUSED_MAX_SLOTS = FUSED_WARPS * CHUNK  # up to here one block does all three steps (one launch, not three)
+# Up to here one block does all three steps (one launch, not three). It could take FUSED_WARPS * CHUNK,
+# but from about 2500 slots the three kernels are faster (NOTES.md, v17).
+FUSED_MAX_SLOTS = 5 * CHUNK
 FUSED_MAX_SHARED = 160 * 1024
 # dispatch.cu's TileMap, passed by value: one GEMM's m-tile map for the plan and its skewed plan.
 TILE_MAP = np.dtype({"names": ["block_m", "skewed_block_m", "tiles"], "formats": [np.int32, np.int32, np.uint64],

@@ -9,8 +9,10 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 DISPATCH_FIELDS = ("counts", "offsets", "sorted_slots", "slot_positions")
-# (T, k, E): empty, tiny, one expert, k = E, many slots over many or very few experts
-DISPATCH_CASES = [(0, 1, 8), (0, 8, 256), (1, 1, 1), (1, 8, 8), (3, 2, 8), (64, 8, 64), (777, 6, 64),
+# (T, k, E): empty, tiny, one expert, k = E, the most slots of the one-block dispatch and one more,
+# many slots over many or very few experts
+DISPATCH_CASES = [(0, 1, 8), (0, 8, 256), (1, 1, 1), (1, 8, 8), (3, 2, 8), (64, 8, 64), (320, 8, 256),
+                  (2561, 1, 256), (777, 6, 64),
                   (1000, 8, 256), (5000, 8, 256), (5000, 3, 3), (5000, 1, 3), (10000, 8, 64)]
 LOGIT_DTYPES = [np.dtype(np.float32), BF16, np.dtype(np.float16)]
 LOGIT_IDS = ["f32", "bf16", "f16"]

@@ -73,8 +73,10 @@ def test_persistent_kernel_falls_back_where_its_tiles_do_not_divide():
 
 
 def test_one_block_dispatch_only_where_its_shared_memory_fits():
-    assert _gpu_dispatch.fused_fits(4096, 256, SHARED_LIMITS[86])
-    assert not _gpu_dispatch.fused_fits(4097, 256, SHARED_LIMITS[90])  # three kernels from here
+    most = _gpu_dispatch.FUSED_MAX_SLOTS
+    assert most <= _gpu_dispatch.FUSED_WARPS * _gpu_dispatch.CHUNK  # what one block can take
+    assert _gpu_dispatch.fused_fits(most, 256, SHARED_LIMITS[86])
+    assert not _gpu_dispatch.fused_fits(most + 1, 256, SHARED_LIMITS[90])  # three kernels from here
     experts_99k = SHARED_LIMITS[86] // _gpu_dispatch.fused_shared_bytes(1)
     assert _gpu_dispatch.fused_fits(64, experts_99k, SHARED_LIMITS[86])
     assert not _gpu_dispatch.fused_fits(64, experts_99k + 1, SHARED_LIMITS[86])
