@@ -86,12 +86,13 @@ def _persistent_plan(block_m: int, stages: int) -> Plan:
 
 
 # By the average number of slots per expert that has any. At one or two rows, narrow mma.sync
-# gate/up tiles spread the weights over the most blocks (NOTES.md, v6); up to a dozen, 16-row
+# gate/up tiles spread the weights over the most blocks (NOTES.md, v6), and down tiles of 128
+# columns put T=1's eight experts in one wave of two blocks per SM (v18); up to a dozen, 16-row
 # tiles. Beyond, on Hopper, the persistent wgmma kernel streams the weights by TMA, its slot
 # count (the MMA's N) the smallest that holds most experts whole (NOTES.md, v7), and beyond 80
 # rows 160, which holds experts of 128 whole and splits 256 in two (v8); elsewhere, mma.sync tiles
 # of 32 to 128 rows. The two smallest, which stream the weights, take two K-tiles per stage (v12).
-_TINY = Plan(GemmConfig(16, 32, 1, 2, 4, 2), GemmConfig(16, 64, 1, 4, 3, 2))
+_TINY = Plan(GemmConfig(16, 32, 1, 2, 4, 2), GemmConfig(16, 128, 1, 4, 3, 2))
 _SMALL = Plan(GemmConfig(16, 64, 1, 4, 3, 2), GemmConfig(16, 64, 1, 4, 3, 2))
 _MEDIUM_32 = Plan(GemmConfig(32, 64, 2, 2, 5), GemmConfig(32, 128, 1, 4, 5))
 _MEDIUM = Plan(GemmConfig(64, 64, 2, 2, 4), GemmConfig(64, 128, 2, 2, 4))

@@ -27,9 +27,12 @@ def _small_shared_memory_names(dtype):
     return tuple(dict.fromkeys(names))
 
 
-MODULES += [(experts.SOURCES[experts.MMA], _small_shared_memory_names(dtype))
-            for dtype in (_checks.BFLOAT16, _checks.FLOAT16)]
 ARCHS = ["sm_90a", "sm_80"]
+# Those instantiations are compiled for the GPUs that run them.
+SMALL_SHARED_MEMORY_ARCHS = ["sm_86", "sm_89"]
+TARGETS = [(source, names, arch) for source, names in MODULES for arch in ARCHS] + [
+    (experts.SOURCES[experts.MMA], _small_shared_memory_names(dtype), arch)
+    for dtype in (_checks.BFLOAT16, _checks.FLOAT16) for arch in SMALL_SHARED_MEMORY_ARCHS]
 
 
 def _nvrtc_available():
@@ -45,8 +48,7 @@ def _nvrtc_available():
 pytestmark = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not installed")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("source,names", MODULES, ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("source,names,arch", TARGETS, ids=lambda v: v if isinstance(v, str) else "")
 def test_compiles_without_spills(source, names, arch):
     report = _compile.ptxas_report(source, names, arch)
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
