@@ -1,5 +1,8 @@
-"""The GPU forward: dispatch -> gate/up GEMM (SwiGLU) -> down GEMM -> combine, on the current stream."""
+"""The GPU forward: dispatch -> gate/up GEMM (SwiGLU) -> down GEMM -> combine, on the current stream;
+for one token, the GEMMs by slot without the dispatch."""
 from __future__ import annotations
+
+import numpy as np
 
 from . import _checks, _compile, combine, experts
 from ._gpu_dispatch import DispatchBuffers, launch as launch_dispatch
@@ -16,9 +19,15 @@ class Workspace:
                                  _compile.shared_memory_limit(device_id))
         slots = shape.tokens * shape.top_k
         try:
-            self.dispatch = DispatchBuffers(slots, shape.experts, self.plan)
-            self.h = cupy.empty((slots, shape.intermediate), shape.dtype)  # SwiGLU output, expert order
-            self.y = cupy.empty((slots, shape.hidden), shape.dtype)  # down projection, expert order
+            if self.plan.by_slot:  # h and y in slot order; the down GEMM writes the positions
+                self.dispatch = None
+                self.slot_positions = cupy.empty(slots, np.int32)
+            else:
+                self.dispatch = DispatchBuffers(slots, shape.experts, self.plan)
+                self.slot_positions = self.dispatch.slot_positions
+            # The SwiGLU output and the down projection, in expert order (by slot: slot order).
+            self.h = cupy.empty((slots, shape.intermediate), shape.dtype)
+            self.y = cupy.empty((slots, shape.hidden), shape.dtype)
         except cupy.cuda.memory.OutOfMemoryError as err:
             need = slots * (shape.intermediate + shape.hidden) * shape.dtype.itemsize
             raise MemoryError(
@@ -47,8 +56,11 @@ def forward(a: dict, shape: _checks.Shape, workspace: Workspace, out, check_ids:
     if x.data.ptr % _checks.GPU_ALIGNMENT:  # a contiguous view off the 16-byte grid
         x = x.copy()
     ws = workspace
-    launch_dispatch(ids, ws.dispatch)
-    experts.gate_up(x, a["w13"], ws.dispatch, ws.h, shape, ws.plan)
-    experts.down(ws.h, a["w2"], ws.dispatch, ws.y, shape, ws.plan)
-    combine.run(ws.y, ws.dispatch.slot_positions, weights, out, shape)
+    if ws.dispatch is None:
+        experts.by_slot(x, ids, a["w13"], a["w2"], ws.h, ws.y, ws.slot_positions, shape, ws.plan)
+    else:
+        launch_dispatch(ids, ws.dispatch)
+        experts.gate_up(x, a["w13"], ws.dispatch, ws.h, shape, ws.plan)
+        experts.down(ws.h, a["w2"], ws.dispatch, ws.y, shape, ws.plan)
+    combine.run(ws.y, ws.slot_positions, weights, out, shape)
     return out

@@ -10,8 +10,9 @@ from . import _checks, _compile, _tma
 
 K_TILE = 64  # the kernels' BK; H and I are multiples of it
 WGMMA_COMPUTE_CAPABILITY = 90
-MMA, PERSISTENT = "mma", "persistent"
-SOURCES = {MMA: "expert_gemm.cu", PERSISTENT: "expert_gemm_ws.cu"}
+MMA, PERSISTENT, SLOT = "mma", "persistent", "slot"
+SOURCES = {MMA: "expert_gemm.cu", PERSISTENT: "expert_gemm_ws.cu", SLOT: "expert_gemm.cu"}
+ID_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}  # slot_gemm's IdT
 PRODUCER_THREADS = 128  # the persistent kernel's loading warpgroup
 STAGED_SLOTS = 32  # slots per pass of the persistent kernel's epilogue (its STAGED_SLOTS)
 
@@ -28,7 +29,7 @@ class GemmConfig:
     k_group: int = 1  # K-tiles per stage (mma.sync kernel): each weight row is read k_group * 128 bytes at a time
     # MMA: expert_gemm (mma.sync, sm_80+). PERSISTENT: expert_gemm_ws (sm_90a), a loading
     # warpgroup and two wgmma warpgroups (warps_m = 8), each multiplying half the tile's weight
-    # rows by all block_m slots.
+    # rows by all block_m slots. SLOT: slot_gemm (mma.sync), one routed slot per block, no dispatch.
     kernel: str = MMA
 
     @property
@@ -37,23 +38,25 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n + (0 if self.kernel == MMA else PRODUCER_THREADS)
+        return 32 * self.warps_m * self.warps_n + (PRODUCER_THREADS if self.kernel == PERSISTENT else 0)
 
     def shared_bytes(self, gated: bool) -> int:
         weight_rows = 2 * self.block_n if gated else self.block_n
         stages = self.stages * self.k_group * (self.block_m + weight_rows) * K_TILE * 2
-        if self.kernel == MMA:
+        if self.kernel != PERSISTENT:
             return stages
         barriers = 16 * self.stages  # a full and an empty mbarrier per stage
         staging = 2 * STAGED_SLOTS * (self.block_n + 16)  # the epilogue's: each consumer's half of the columns
         return stages + 1024 + barriers + staging  # stages are aligned to 1 KiB
 
-    def name_expression(self, dtype, gated: bool) -> str:
+    def name_expression(self, dtype, gated: bool, id_type: str = "int") -> str:
+        """The kernel's template instantiation; ``id_type`` (an ID_TYPES value) only for SLOT."""
         tag = "bf16" if dtype == _checks.BFLOAT16 else "f16"
         flag = "true" if gated else "false"
         if self.kernel == PERSISTENT:
             return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{flag}>"
-        return (f"expert_gemm<{tag},{self.block_m},{self.block_n},{self.warps_m},{self.warps_n},"
+        name, tag = ("slot_gemm", f"{tag},{id_type}") if self.kernel == SLOT else ("expert_gemm", tag)
+        return (f"{name}<{tag},{self.block_m},{self.block_n},{self.warps_m},{self.warps_n},"
                 f"{self.stages},{self.k_group},{flag}>")
 
 
@@ -65,6 +68,11 @@ class Plan:
     down: GemmConfig
     # Launched too; the dispatch picks it when one expert holds skew_rows slots or more (dispatch.cu).
     skewed: Plan | None = None
+
+    @property
+    def by_slot(self) -> bool:
+        """slot_gemm's plan: each routed slot its own tile, no dispatch."""
+        return self.gate_up.kernel == SLOT
 
     @property
     def skew_rows(self) -> int:
@@ -85,7 +93,8 @@ def _persistent_plan(block_m: int, stages: int) -> Plan:
                 GemmConfig(block_m, 256, 8, 1, stages, kernel=PERSISTENT))
 
 
-# By the average number of slots per expert that has any. At one or two rows, narrow mma.sync
+# A single token's k slots are k tiles of the TINY plan's shapes without a dispatch (NOTES.md, v19).
+# Beyond, by the average number of slots per expert that has any. At one or two rows, narrow mma.sync
 # gate/up tiles spread the weights over the most blocks (NOTES.md, v6), and down tiles of 128
 # columns put T=1's eight experts in one wave of two blocks per SM (v18); up to a dozen, 16-row
 # tiles. Beyond, on Hopper, the persistent wgmma kernel streams the weights by TMA, its slot
@@ -93,6 +102,7 @@ def _persistent_plan(block_m: int, stages: int) -> Plan:
 # rows 160, which holds experts of 128 whole and splits 256 in two (v8); elsewhere, mma.sync tiles
 # of 32 to 128 rows. The two smallest, which stream the weights, take two K-tiles per stage (v12).
 _TINY = Plan(GemmConfig(16, 32, 1, 2, 4, 2), GemmConfig(16, 128, 1, 4, 3, 2))
+_SLOT = Plan(replace(_TINY.gate_up, kernel=SLOT), replace(_TINY.down, kernel=SLOT))
 _SMALL = Plan(GemmConfig(16, 64, 1, 4, 3, 2), GemmConfig(16, 64, 1, 4, 3, 2))
 _MEDIUM_32 = Plan(GemmConfig(32, 64, 2, 2, 5), GemmConfig(32, 128, 1, 4, 5))
 _MEDIUM = Plan(GemmConfig(64, 64, 2, 2, 4), GemmConfig(64, 128, 2, 2, 4))
@@ -100,7 +110,8 @@ _LARGE = Plan(GemmConfig(128, 64, 4, 2, 3), GemmConfig(128, 128, 4, 2, 3))
 _PERSISTENT_64 = _persistent_plan(64, 5)
 _PERSISTENT_96 = _persistent_plan(96, 4)
 _PERSISTENT_160 = _persistent_plan(160, 4)
-PLANS = (_TINY, _SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT_64, _PERSISTENT_96, _PERSISTENT_160)
+PLANS = (_SLOT, _TINY, _SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT_64, _PERSISTENT_96, _PERSISTENT_160)
+SLOT_TOKENS = 1  # up to this many tokens, slot_gemm
 TINY_ROWS = 2  # beyond, a skewed routing's busy experts favour the wider tiles
 SMALL_ROWS = 12
 # From this many rows per expert on sm_90 the 160-slot plan stands by for skewed routing: when one
@@ -120,7 +131,7 @@ def _fit(cfg: GemmConfig, fallback: GemmConfig, n_out: int) -> GemmConfig:
     """A config whose block_n divides the output width (H and I are multiples of K_TILE)."""
     if n_out % cfg.block_n == 0:
         return cfg
-    if cfg.kernel != MMA:
+    if cfg.kernel == PERSISTENT:
         return _fit(fallback, fallback, n_out)
     return replace(cfg, block_n=K_TILE)
 
@@ -139,7 +150,9 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     slots = tokens * top_k
     rows_per_expert = slots / max(1, min(experts, slots))
     sm90 = compute_capability == WGMMA_COMPUTE_CAPABILITY
-    if rows_per_expert <= TINY_ROWS:
+    if tokens <= SLOT_TOKENS:
+        chosen = _SLOT
+    elif rows_per_expert <= TINY_ROWS:
         chosen = _TINY
     elif rows_per_expert <= SMALL_ROWS:
         chosen = _SMALL
@@ -179,7 +192,8 @@ def name_expressions(source: str, dtype) -> tuple:
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
             for variant in (cfg, _fit(cfg, _LARGE.gate_up if gated else _LARGE.down, K_TILE)):
                 if variant.source == source:
-                    names.append(variant.name_expression(dtype, gated))
+                    # one name, or slot_gemm's for each id type
+                    names += [variant.name_expression(dtype, gated, i) for i in ID_TYPES.values()]
     return tuple(dict.fromkeys(names))
 
 
@@ -188,9 +202,9 @@ def max_m_tiles(slots: int, experts: int, block_m: int) -> int:
     return -(-slots // block_m) + min(experts, slots)
 
 
-def _launch(cfg: GemmConfig, plan_index: int, gated: bool, dtype, device_id: int, a, sorted_slots, top_k,
-            w, offsets, tile_offsets, experts, n_out, k_dim, c, slots):
-    name = cfg.name_expression(dtype, gated)
+def _compiled(cfg: GemmConfig, gated: bool, dtype, device_id: int, id_type: str = "int"):
+    """The kernel of ``cfg``, allowed its shared memory."""
+    name = cfg.name_expression(dtype, gated, id_type)
     names = name_expressions(cfg.source, dtype)
     if name not in names:  # stages cut for a GPU with less shared memory: a module of its own
         names = (name,)
@@ -198,6 +212,12 @@ def _launch(cfg: GemmConfig, plan_index: int, gated: bool, dtype, device_id: int
     smem = cfg.shared_bytes(gated)
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
+    return kernel
+
+
+def _launch(cfg: GemmConfig, plan_index: int, gated: bool, dtype, device_id: int, a, sorted_slots, top_k,
+            w, offsets, tile_offsets, experts, n_out, k_dim, c, slots):
+    kernel = _compiled(cfg, gated, dtype, device_id)
     grid = max_m_tiles(slots, experts, cfg.block_m) * (n_out // cfg.block_n)
     if cfg.kernel == PERSISTENT:
         grid = min(grid, _compile.multiprocessors(device_id))  # one block per SM claims tiles
@@ -205,7 +225,7 @@ def _launch(cfg: GemmConfig, plan_index: int, gated: bool, dtype, device_id: int
     kernel((grid,), (cfg.threads,),
            (a, sorted_slots, np.int32(top_k), w, offsets, tile_offsets, np.int32(plan_index),
             np.int32(experts), np.int32(n_out), np.int32(k_dim), c),
-           shared_mem=smem)
+           shared_mem=cfg.shared_bytes(gated))
 
 
 def gate_up(x, w13, dispatch, h, shape, chosen: Plan):
@@ -222,3 +242,19 @@ def down(h, w2, dispatch, y, shape, chosen: Plan):
         _launch(cfg, index, False, shape.dtype, h.device.id, h, dispatch.sorted_slots, shape.top_k, w2,
                 dispatch.offsets, dispatch.tiles_down, shape.experts, shape.hidden,
                 shape.intermediate, y, shape.tokens * shape.top_k)
+
+
+def by_slot(x, ids, w13, w2, h, y, slot_positions, shape, chosen: Plan):
+    """Both GEMMs with each routed slot s = (t, j) its own tile, in slot order: h[s] = SwiGLU of
+    x[t] through expert e = ids[t, j], y[s] = h[s] @ w2[e].T, and slot_positions[s] = s, or -1 where
+    the id is outside [0, E) (then h[s] and y[s] are not written). Contiguous ids."""
+    slots = shape.tokens * shape.top_k
+    id_type = ID_TYPES[ids.dtype]
+    gemms = ((chosen.gate_up, True, x, w13, shape.intermediate, shape.hidden, h),
+             (chosen.down, False, h, w2, shape.hidden, shape.intermediate, y))
+    for cfg, gated, a, w, n_out, k_dim, c in gemms:
+        kernel = _compiled(cfg, gated, shape.dtype, x.device.id, id_type)
+        kernel((slots * (n_out // cfg.block_n),), (cfg.threads,),
+               (a, ids, np.int32(shape.top_k), w, np.int32(shape.experts), np.int32(n_out),
+                np.int32(k_dim), c, slot_positions),
+               shared_mem=cfg.shared_bytes(gated))

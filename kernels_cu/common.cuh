@@ -81,3 +81,10 @@ __device__ __forceinline__ float reciprocal_approx(float x) {
 }
 
 __device__ __forceinline__ float silu(float v) { return v * reciprocal_approx(1.0f + __expf(-v)); }
+
+// The expert of routed slot ``slot``; -1 for an id outside [0, num_experts) ("no expert").
+template <class IdT>
+__device__ __forceinline__ int expert_of(const IdT* ids, long long slot, int num_experts) {
+  const IdT id = ids[slot];
+  return (id >= 0 && id < num_experts) ? int(id) : -1;
+}

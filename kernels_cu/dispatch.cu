@@ -14,12 +14,6 @@ constexpr int DISPATCH_CHUNK = 512;  // slots per warp in dispatch_count
 constexpr int EXPERT_SCAN_WARPS = 8;  // experts per block of dispatch_expert_scan
 constexpr int FUSED_WARPS = 8;
 
-template <class IdT>
-__device__ __forceinline__ int expert_of(const IdT* ids, long long slot, int num_experts) {
-  const IdT id = ids[slot];
-  return (id >= 0 && id < num_experts) ? int(id) : -1;
-}
-
 // One warp counts slots [begin, end), at most DISPATCH_CHUNK of them, into counters[E] (zeroed here)
 // and writes each slot's rank. All the chunk's ids are loaded before any is counted.
 template <class IdT>

@@ -4,14 +4,19 @@
 // a weight row is read KG * 128 contiguous bytes at a time (DRAM streams 128-byte pieces of many rows
 // a few percent slower); fragments come from shared memory by ldmatrix.
 // GATED blocks keep gate and up accumulators for the same columns and write h = silu(gate) * up.
+// Two kernels compute such tiles:
+//   expert_gemm: one tile of the dispatch's m-tile map per block.
+//   slot_gemm:   one routed slot per block, a tile of its own, so a single token needs no dispatch;
+//                A and C rows are in slot order (h and y [T * k, N]). Its down GEMM (!GATED) also
+//                writes the combine's slot_positions: the slot, or -1 where the id is outside
+//                [0, E). The tiles are expert_gemm's, so are the bits.
 #include "expert_tiles.cuh"
 
 template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED>
-__global__ void __launch_bounds__(WM * WN * 32)
-expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
-            const u16* __restrict__ w, const int* __restrict__ offsets,
-            const int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
-            u16* __restrict__ c) {
+__device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restrict__ a,
+                                          const int* __restrict__ sorted_slots, int top_k,
+                                          const u16* __restrict__ w, int n_out, int k_dim,
+                                          u16* __restrict__ c) {
   constexpr int THREADS = WM * WN * 32;
   constexpr int WTM = BM / WM, WTN = BN / WN;
   constexpr int MI = WTM / 16, NI = WTN / 8;
@@ -19,9 +24,6 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
   using F = Float16Traits<T>;
   using Loader = TileLoader<BM, BN, THREADS, GATED>;
 
-  Tile tile;
-  if (!plan_chosen(tile_offsets, num_experts, plan)) return;
-  if (!find_tile<BM, BN>(blockIdx.x, offsets, tile_offsets, num_experts, n_out, tile)) return;
   const Loader loader(tile, sorted_slots, top_k, w, n_out, k_dim);
 
   extern __shared__ __align__(128) unsigned char smem[];
@@ -106,4 +108,29 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
       }
     }
   }
+}
+
+template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED>
+__global__ void __launch_bounds__(WM * WN * 32)
+expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+            const u16* __restrict__ w, const int* __restrict__ offsets,
+            const int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
+            u16* __restrict__ c) {
+  Tile tile;
+  if (!plan_chosen(tile_offsets, num_experts, plan)) return;
+  if (!find_tile<BM, BN>(blockIdx.x, offsets, tile_offsets, num_experts, n_out, tile)) return;
+  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED>(tile, a, sorted_slots, top_k, w, n_out, k_dim, c);
+}
+
+template <class T, class IdT, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED>
+__global__ void __launch_bounds__(WM * WN * 32)
+slot_gemm(const u16* __restrict__ a, const IdT* __restrict__ ids, int top_k, const u16* __restrict__ w,
+          int num_experts, int n_out, int k_dim, u16* __restrict__ c, int* __restrict__ slot_positions) {
+  const int n_tiles = n_out / BN;
+  const int slot = blockIdx.x / n_tiles, n_tile = blockIdx.x % n_tiles;
+  const int expert = expert_of(ids, slot, num_experts);
+  if (!GATED && n_tile == 0 && threadIdx.x == 0) slot_positions[slot] = expert < 0 ? -1 : slot;
+  if (expert < 0) return;
+  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED>(Tile{expert, slot, 1, n_tile * BN}, a, nullptr, top_k, w,
+                                                  n_out, k_dim, c);
 }

@@ -81,7 +81,8 @@ struct RowGather {
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i) {
       const int r = r0 + i * ROW_STEP;
-      a_row[i] = r >= t.rows ? -1 : GATED ? sorted_slots[t.slot_base + r] / top_k : t.slot_base + r;
+      const int slot = t.slot_base + r;  // sorted_slots null: slots in token order (slot_gemm)
+      a_row[i] = r >= t.rows ? -1 : GATED ? (sorted_slots ? sorted_slots[slot] : slot) / top_k : slot;
     }
   }
 

@@ -274,6 +274,58 @@ def test_two_k_tile_stages_with_an_odd_k(tokens, routing, plan_index, monkeypatc
     check_plan(experts_module.PLANS[plan_index], 320, 192, tokens, routing, [tokens, plan_index, 1], monkeypatch)
 
 
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("top_k", [1, 3, 8])
+def test_one_token_by_slot_gives_the_dispatch_paths_bits(top_k, id_dtype, monkeypatch):
+    """T = 1 (the plan without a dispatch) against the TINY plan forced on the same problem at
+    E = 256: the same bits, with an id of -1, an id out of range (unchecked) and a repeated expert."""
+    experts = 256
+    hidden, inter = SIZES[experts]
+    rng = np.random.default_rng([top_k, np.dtype(id_dtype).itemsize])
+    x, w13, w2, ids, weights = random_problem(rng, 1, hidden, experts, inter, top_k)
+    ids = ids.astype(id_dtype)
+    if top_k > 1:
+        ids[0, 0], ids[0, -1] = -1, experts + 3
+    if top_k > 2:
+        ids[0, 1] = ids[0, 2]
+    limit = _compile.shared_memory_limit(cupy.cuda.Device().id)
+    assert experts_module.plan(1, top_k, experts, hidden, inter, 90, limit).by_slot
+    problem = (x, w13, w2, ids, weights)
+    args = to_gpu(*problem)
+    got = run_fused(problem, args, check_ids=False)
+    check_close(got, (x, w13, w2, np.where((ids >= 0) & (ids < experts), ids, -1), weights))
+    tiny = experts_module.fitted(experts_module._TINY, hidden, inter, limit)
+    monkeypatch.setattr(experts_module, "plan", lambda *args: tiny)
+    np.testing.assert_array_equal(host_bits(run_fused(problem, args, check_ids=False)), host_bits(got))
+
+
+def test_one_token_graph_replay_sees_new_inputs():
+    """The by-slot plan captured once, replayed on new x, ids (one of them -1 now) and weights."""
+    tokens, hidden, experts, inter, top_k = 1, 256, 64, 128, 4
+    problem = random_problem(np.random.default_rng(0), tokens, hidden, experts, inter, top_k)
+    w13, w2 = problem[1], problem[2]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        args = to_gpu(*problem)
+        x, ids, weights = args[0], args[3], args[4]
+        layer = cupymoe.MoE(args[1], args[2])
+        layer(x, ids, weights, check_ids=False)
+        assert layer._workspaces[(tokens, top_k)][0].plan.by_slot
+        stream.begin_capture()
+        out = layer(x, ids, weights, check_ids=False)
+        graph = stream.end_capture()
+        new_x, _, _, new_ids, new_weights = random_problem(np.random.default_rng(1), tokens, hidden, experts,
+                                                           inter, top_k)
+        new_ids[0, 1] = -1
+        x[...] = cupy.asarray(new_x)
+        ids[...] = cupy.asarray(new_ids)
+        weights[...] = cupy.asarray(new_weights)
+        poison(out)
+        graph.launch(stream)
+        stream.synchronize()
+    check_close(out, (new_x, w13, w2, new_ids, new_weights))
+
+
 def test_experts_of_every_size_give_the_same_bits_on_every_plan(monkeypatch):
     """Experts of 1 to 156 rows, one in each band of 8 (k = 1): every plan matches the reference and
     gives the same bits, whatever its tiles and the MMA width it picks for each chunk."""

@@ -1,4 +1,5 @@
 """The GEMM tile plans (host side, no GPU): every config fits the GPU it is planned for."""
+import dataclasses
 import itertools
 
 import pytest
@@ -22,7 +23,7 @@ def test_configs_fit_the_problem_and_the_gpu(cc, hidden, inter, p):
         assert n_out % cfg.block_n == 0
         assert cfg.shared_bytes(gated) <= SHARED_LIMITS[cc]
         assert cfg.stages >= 2
-        assert cfg.kernel == experts.MMA or cc == experts.WGMMA_COMPUTE_CAPABILITY
+        assert cfg.kernel != experts.PERSISTENT or cc == experts.WGMMA_COMPUTE_CAPABILITY
         assert cfg.threads <= 1024
 
 
@@ -49,6 +50,19 @@ def test_narrow_gate_up_tiles_up_to_two_rows_per_expert():
     assert experts.plan(64, 8, 256, 4096, 1024, 90, SHARED_LIMITS[90]).gate_up.block_n == 32
     assert experts.plan(65, 8, 256, 4096, 1024, 90, SHARED_LIMITS[90]).gate_up.block_n == 64
     assert experts.plan(1, 8, 256, 4096, 1024, 80, SHARED_LIMITS[80]).gate_up.block_n == 32
+
+
+@pytest.mark.parametrize("cc", sorted(SHARED_LIMITS))
+def test_one_token_goes_by_slot_with_the_tiny_tiles(cc):
+    """T = 1 skips the dispatch on every GPU; its tiles are the TINY plan's, so are its bits."""
+    def plan(tokens, top_k=8):
+        return experts.plan(tokens, top_k, 256, 4096, 1024, cc, SHARED_LIMITS[cc])
+    assert plan(1).by_slot and plan(1, top_k=256).by_slot
+    assert not plan(2).by_slot
+    tiny = plan(2)
+    for got, want in ((plan(1).gate_up, tiny.gate_up), (plan(1).down, tiny.down)):
+        assert (got.kernel, want.kernel) == (experts.SLOT, experts.MMA)
+        assert dataclasses.replace(got, kernel=experts.MMA) == want
 
 
 def test_persistent_kernel_above_12_rows_per_expert_on_sm90():
