@@ -55,8 +55,8 @@ class GemmConfig:
         flag = "true" if gated else "false"
         if self.kernel == PERSISTENT:
             return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{flag}>"
-        name, tag = ("slot_gemm", f"{tag},{id_type}") if self.kernel == SLOT else ("expert_gemm", tag)
-        return (f"{name}<{tag},{self.block_m},{self.block_n},{self.warps_m},{self.warps_n},"
+        name, types = ("slot_gemm", f"{tag},{id_type}") if self.kernel == SLOT else ("expert_gemm", tag)
+        return (f"{name}<{types},{self.block_m},{self.block_n},{self.warps_m},{self.warps_n},"
                 f"{self.stages},{self.k_group},{flag}>")
 
 
