@@ -1,5 +1,5 @@
 """The GPU forward: dispatch -> gate/up GEMM (SwiGLU) -> down GEMM -> combine, on the current stream;
-for one token, the GEMMs by slot without the dispatch."""
+for a few slots, the GEMMs by slot without the dispatch."""
 from __future__ import annotations
 
 import numpy as np

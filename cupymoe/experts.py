@@ -93,7 +93,8 @@ def _persistent_plan(block_m: int, stages: int) -> Plan:
                 GemmConfig(block_m, 256, 8, 1, stages, kernel=PERSISTENT))
 
 
-# A single token's k slots are k tiles of the TINY plan's shapes without a dispatch (NOTES.md, v19).
+# Up to SLOT_SLOTS routed slots, the TINY plan's tiles without a dispatch: the block of each expert's
+# first slot finds the expert's other slots itself (NOTES.md, v19, v20).
 # Beyond, by the average number of slots per expert that has any. At one or two rows, narrow mma.sync
 # gate/up tiles spread the weights over the most blocks (NOTES.md, v6), and down tiles of 128
 # columns put T=1's eight experts in one wave of two blocks per SM (v18); up to a dozen, 16-row
@@ -111,7 +112,7 @@ _PERSISTENT_64 = _persistent_plan(64, 5)
 _PERSISTENT_96 = _persistent_plan(96, 4)
 _PERSISTENT_160 = _persistent_plan(160, 4)
 PLANS = (_SLOT, _TINY, _SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT_64, _PERSISTENT_96, _PERSISTENT_160)
-SLOT_TOKENS = 1  # up to this many tokens, slot_gemm
+SLOT_SLOTS = 128  # up to this many routed slots (where TINY's tiles fit), slot_gemm
 TINY_ROWS = 2  # beyond, a skewed routing's busy experts favour the wider tiles
 SMALL_ROWS = 12
 # From this many rows per expert on sm_90 the 160-slot plan stands by for skewed routing: when one
@@ -150,10 +151,8 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     slots = tokens * top_k
     rows_per_expert = slots / max(1, min(experts, slots))
     sm90 = compute_capability == WGMMA_COMPUTE_CAPABILITY
-    if tokens <= SLOT_TOKENS:
-        chosen = _SLOT
-    elif rows_per_expert <= TINY_ROWS:
-        chosen = _TINY
+    if rows_per_expert <= TINY_ROWS:
+        chosen = _SLOT if slots <= SLOT_SLOTS else _TINY
     elif rows_per_expert <= SMALL_ROWS:
         chosen = _SMALL
     elif sm90 and rows_per_expert <= PERSISTENT_64_ROWS:
@@ -245,9 +244,11 @@ def down(h, w2, dispatch, y, shape, chosen: Plan):
 
 
 def by_slot(x, ids, w13, w2, h, y, slot_positions, shape, chosen: Plan):
-    """Both GEMMs with each routed slot s = (t, j) its own tile, in slot order: h[s] = SwiGLU of
-    x[t] through expert e = ids[t, j], y[s] = h[s] @ w2[e].T, and slot_positions[s] = s, or -1 where
-    the id is outside [0, E) (then h[s] and y[s] are not written). Contiguous ids."""
+    """Both GEMMs without a dispatch, in slot order: h[s] = SwiGLU of x[t] through expert
+    e = ids[t, j] for each routed slot s = (t, j), y[s] = h[s] @ w2[e].T, and slot_positions[s] = s,
+    or -1 where the id is outside [0, E) (then h[s] and y[s] are not written). An expert's slots
+    go block_m at a time to the blocks of its first slot and of every block_m-th after it.
+    Contiguous ids."""
     slots = shape.tokens * shape.top_k
     id_type = ID_TYPES[ids.dtype]
     gemms = ((chosen.gate_up, True, x, w13, shape.intermediate, shape.hidden, h),
@@ -255,6 +256,6 @@ def by_slot(x, ids, w13, w2, h, y, slot_positions, shape, chosen: Plan):
     for cfg, gated, a, w, n_out, k_dim, c in gemms:
         kernel = _compiled(cfg, gated, shape.dtype, x.device.id, id_type)
         kernel((slots * (n_out // cfg.block_n),), (cfg.threads,),
-               (a, ids, np.int32(shape.top_k), w, np.int32(shape.experts), np.int32(n_out),
-                np.int32(k_dim), c, slot_positions),
+               (a, ids, np.int32(slots), np.int32(shape.top_k), w, np.int32(shape.experts),
+                np.int32(n_out), np.int32(k_dim), c, slot_positions),
                shared_mem=cfg.shared_bytes(gated))

@@ -6,15 +6,18 @@
 // GATED blocks keep gate and up accumulators for the same columns and write h = silu(gate) * up.
 // Two kernels compute such tiles:
 //   expert_gemm: one tile of the dispatch's m-tile map per block.
-//   slot_gemm:   one routed slot per block, a tile of its own, so a single token needs no dispatch;
+//   slot_gemm:   for a few slots, without a dispatch: one block per routed slot (and n-tile); the
+//                block of an expert's first slot, and of every BM-th after it, finds the expert's
+//                next BM slots itself and computes them, as the dispatch would have grouped them.
 //                A and C rows are in slot order (h and y [T * k, N]). Its down GEMM (!GATED) also
 //                writes the combine's slot_positions: the slot, or -1 where the id is outside
 //                [0, E). The tiles are expert_gemm's, so are the bits.
 #include "expert_tiles.cuh"
 
-template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED>
+// ``order`` as RowGather reads it; SLOT_ORDER: C's row r is order[r] (slot_base 0), else slot_base + r.
+template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED, bool SLOT_ORDER>
 __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restrict__ a,
-                                          const int* __restrict__ sorted_slots, int top_k,
+                                          const int* __restrict__ order, int top_k,
                                           const u16* __restrict__ w, int n_out, int k_dim,
                                           u16* __restrict__ c) {
   constexpr int THREADS = WM * WN * 32;
@@ -24,7 +27,7 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
   using F = Float16Traits<T>;
   using Loader = TileLoader<BM, BN, THREADS, GATED>;
 
-  const Loader loader(tile, sorted_slots, top_k, w, n_out, k_dim);
+  const Loader loader(tile, order, top_k, w, n_out, k_dim);
 
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 s_a = smem_addr(smem);
@@ -104,7 +107,7 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
           v0 = silu(v0) * acc_up[mi][ni][2 * half];
           v1 = silu(v1) * acc_up[mi][ni][2 * half + 1];
         }
-        store_pair<T>(c, tile, r, n_out, warp_n * WTN + ni * 8 + (lane & 3) * 2, v0, v1);
+        store_pair<T>(c, tile, SLOT_ORDER ? order[r] : r, n_out, warp_n * WTN + ni * 8 + (lane & 3) * 2, v0, v1);
       }
     }
   }
@@ -119,18 +122,51 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
   Tile tile;
   if (!plan_chosen(tile_offsets, num_experts, plan)) return;
   if (!find_tile<BM, BN>(blockIdx.x, offsets, tile_offsets, num_experts, n_out, tile)) return;
-  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED>(tile, a, sorted_slots, top_k, w, n_out, k_dim, c);
+  // down's rows of h are its tiles' positions
+  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, false>(tile, a, GATED ? sorted_slots : nullptr, top_k, w,
+                                                         n_out, k_dim, c);
 }
 
+// If ``slot`` starts one of ``expert``'s tiles (the expert's slots in slot order, BM per tile, as the
+// dispatch groups them), that tile's slots into ``rows``, and returns how many; else 0. Warp 0 only.
+template <int BM, class IdT>
+__device__ __forceinline__ int tile_slots(const IdT* __restrict__ ids, int num_slots, int num_experts, int expert,
+                                          int slot, int* rows) {
+  const int lane = threadIdx.x & 31;
+  int before = 0;  // the expert's slots before this one
+  for (int from = 0; from < slot; from += 32)
+    before += __popc(__ballot_sync(~0u, from + lane < slot && expert_of(ids, from + lane, num_experts) == expert));
+  if (before % BM) return 0;
+  int count = 0;
+  for (int from = slot; from < num_slots && count < BM; from += 32) {
+    const bool match = from + lane < num_slots && expert_of(ids, from + lane, num_experts) == expert;
+    const u32 ballot = __ballot_sync(~0u, match);
+    const int rank = count + __popc(ballot & ((1u << lane) - 1));
+    if (match && rank < BM) rows[rank] = from + lane;
+    count += __popc(ballot);
+  }
+  return min(count, BM);
+}
+
+// Shared memory bounds its occupancy; without the 1, ptxas holds it to fewer registers and spills.
 template <class T, class IdT, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED>
-__global__ void __launch_bounds__(WM * WN * 32)
-slot_gemm(const u16* __restrict__ a, const IdT* __restrict__ ids, int top_k, const u16* __restrict__ w,
-          int num_experts, int n_out, int k_dim, u16* __restrict__ c, int* __restrict__ slot_positions) {
+__global__ void __launch_bounds__(WM * WN * 32, 1)
+slot_gemm(const u16* __restrict__ a, const IdT* __restrict__ ids, int num_slots, int top_k,
+          const u16* __restrict__ w, int num_experts, int n_out, int k_dim, u16* __restrict__ c,
+          int* __restrict__ slot_positions) {
   const int n_tiles = n_out / BN;
   const int slot = blockIdx.x / n_tiles, n_tile = blockIdx.x % n_tiles;
   const int expert = expert_of(ids, slot, num_experts);
   if (!GATED && n_tile == 0 && threadIdx.x == 0) slot_positions[slot] = expert < 0 ? -1 : slot;
   if (expert < 0) return;
-  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED>(Tile{expert, slot, 1, n_tile * BN}, a, nullptr, top_k, w,
-                                                  n_out, k_dim, c);
+  __shared__ int rows[BM];
+  __shared__ int row_count;
+  if (threadIdx.x < 32) {
+    const int count = tile_slots<BM>(ids, num_slots, num_experts, expert, slot, rows);
+    if (threadIdx.x == 0) row_count = count;
+  }
+  __syncthreads();
+  if (row_count == 0) return;
+  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, true>(Tile{expert, 0, row_count, n_tile * BN}, a, rows, top_k,
+                                                        w, n_out, k_dim, c);
 }

@@ -151,8 +151,9 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
     named_barrier_sync(1, 128);
     Tile tile;
     bool more = find_tile<SLOTS, BN>(claimed[0], offsets, tile_offsets, num_experts, n_out, tile);
+    const int* order = GATED ? sorted_slots : nullptr;  // down's rows of h are its tiles' positions
     Gather gather;
-    if (more) gather = Gather(tile, sorted_slots, top_k);
+    if (more) gather = Gather(tile, order, top_k);
     for (int claim = 1; more; ++claim) {  // claimed[] alternates between tiles
       const int w_row = tile.expert * (GATED ? 2 * n_out : n_out) + tile.n0;  // the tile's first weight row
       int next_claim = 0;
@@ -174,7 +175,7 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
       if (threadIdx.x == 0) claimed[claim & 1] = next_claim;
       named_barrier_sync(1, 128);
       more = find_tile<SLOTS, BN>(claimed[claim & 1], offsets, tile_offsets, num_experts, n_out, tile);
-      if (more) gather = Gather(tile, sorted_slots, top_k);
+      if (more) gather = Gather(tile, order, top_k);
     }
     mbarrier_wait(empty + 8 * stage, phase ^ 1);
     if (threadIdx.x == 0) stage_tile[stage].rows = -1;

@@ -76,13 +76,14 @@ struct RowGather {
   int a_row[A_ITERS];  // row of a (x or h) for each A row this thread loads; -1: past the expert
 
   RowGather() = default;
-  __device__ __forceinline__ RowGather(const Tile& t, const int* sorted_slots, int top_k) {
+  // Row r of tile t is entry slot_base + r of ``order``, or that index itself where order is null:
+  // for gate/up a routed slot, whose token's row of x it reads; for down a row of h.
+  __device__ __forceinline__ RowGather(const Tile& t, const int* order, int top_k) {
     const int r0 = threadIdx.x >> 3;
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i) {
-      const int r = r0 + i * ROW_STEP;
-      const int slot = t.slot_base + r;  // sorted_slots null: slots in token order (slot_gemm)
-      a_row[i] = r >= t.rows ? -1 : GATED ? (sorted_slots ? sorted_slots[slot] : slot) / top_k : slot;
+      const int r = r0 + i * ROW_STEP, entry = t.slot_base + r;
+      a_row[i] = r >= t.rows ? -1 : (order ? order[entry] : entry) / (GATED ? top_k : 1);
     }
   }
 
@@ -107,9 +108,9 @@ struct TileLoader {
   Gather gather;
   const u16* b_src;  // this thread's first weight row and chunk
 
-  __device__ __forceinline__ TileLoader(const Tile& t, const int* sorted_slots, int top_k, const u16* w,
+  __device__ __forceinline__ TileLoader(const Tile& t, const int* order, int top_k, const u16* w,
                                         int n_out, int k_dim)
-      : gather(t, sorted_slots, top_k) {
+      : gather(t, order, top_k) {
     const long long w_rows = GATED ? 2LL * n_out : n_out;
     b_src = w + (t.expert * w_rows + t.n0 + (threadIdx.x >> 3)) * k_dim + (threadIdx.x & 7) * 8;
   }

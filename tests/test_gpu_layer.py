@@ -163,7 +163,7 @@ def test_non_default_stream():
     np.testing.assert_array_equal(host_bits(unchecked), want)
 
 
-@pytest.mark.parametrize("tokens", [64, 1])  # T = 1 goes by slot, without the dispatch
+@pytest.mark.parametrize("tokens", [64, 5, 1])  # T = 5 and 1 go by slot, without the dispatch
 def test_cuda_graph_replay_sees_new_inputs(tokens):
     """Capture MoE once, then replay it on new x, ids (one of them -1) and weights copied into the
     same buffers. On sm_90 the replay at T = 64 with every token on one expert runs the skewed
@@ -193,7 +193,7 @@ def test_cuda_graph_replay_sees_new_inputs(tokens):
             stream.synchronize()
             check_close(out, (new_x, w13, w2, new_ids, new_weights))
             dispatch = layer._workspaces[(tokens, top_k)][0].dispatch
-            assert (dispatch is None) == (tokens == 1)
+            assert (dispatch is None) == (tokens * top_k <= experts_module.SLOT_SLOTS)
             if dispatch is not None and _compile.compute_capability(cupy.cuda.Device().id) == 90:
                 assert int(dispatch.tiles_gate_up[-1]) == (routing == "one")
 
@@ -279,28 +279,34 @@ def test_two_k_tile_stages_with_an_odd_k(tokens, routing, plan_index, monkeypatc
 
 
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
-@pytest.mark.parametrize("top_k", [1, 3, 8])
-def test_one_token_by_slot_gives_the_dispatch_paths_bits(top_k, id_dtype, monkeypatch):
-    """T = 1 (the plan without a dispatch) against the TINY plan forced on the same problem at
-    E = 256: the same bits, with an id of -1, an id out of range (unchecked) and a repeated expert."""
+@pytest.mark.parametrize("tokens,top_k,routing", [(1, 1, "uniform"), (1, 3, "uniform"), (1, 8, "uniform"),
+                                                  (2, 8, "sparse"), (5, 3, "one"), (8, 8, "sparse"),
+                                                  (8, 8, "all")])
+def test_by_slot_gives_the_dispatch_paths_bits(tokens, top_k, routing, id_dtype, monkeypatch):
+    """The plan without a dispatch, forced, against the TINY plan on the same problem at E = 256: the
+    same bits, with an id of -1, an id out of range (unchecked), an expert repeated within a token,
+    experts shared by tokens, and ("all") every slot on one expert, whose 64 slots are four tiles."""
     experts = 256
     hidden, inter = SIZES[experts]
-    rng = np.random.default_rng([top_k, np.dtype(id_dtype).itemsize])
-    x, w13, w2, ids, weights = random_problem(rng, 1, hidden, experts, inter, top_k)
+    rng = np.random.default_rng([tokens, top_k, np.dtype(id_dtype).itemsize])
+    x, w13, w2, ids, weights = random_problem(rng, tokens, hidden, experts, inter, top_k,
+                                              routing="uniform" if routing == "all" else routing)
     ids = ids.astype(id_dtype)
-    if top_k > 1:
+    if routing == "all":
+        ids[:] = 7
+    elif top_k > 2:
         ids[0, 0], ids[0, -1] = -1, experts + 3
-    if top_k > 2:
         ids[0, 1] = ids[0, 2]
-    limit = _compile.shared_memory_limit(cupy.cuda.Device().id)
-    assert experts_module.plan(1, top_k, experts, hidden, inter, 90, limit).by_slot
     problem = (x, w13, w2, ids, weights)
     args = to_gpu(*problem)
-    got = run_fused(problem, args, check_ids=False)
-    check_close(got, (x, w13, w2, np.where((ids >= 0) & (ids < experts), ids, -1), weights))
-    tiny = experts_module.fitted(experts_module._TINY, hidden, inter, limit)
-    monkeypatch.setattr(experts_module, "plan", lambda *args: tiny)
-    np.testing.assert_array_equal(host_bits(run_fused(problem, args, check_ids=False)), host_bits(got))
+    limit = _compile.shared_memory_limit(cupy.cuda.Device().id)
+    runs = {}
+    for name in ("_SLOT", "_TINY"):
+        chosen = experts_module.fitted(getattr(experts_module, name), hidden, inter, limit)
+        monkeypatch.setattr(experts_module, "plan", lambda *args, p=chosen: p)
+        runs[name] = run_fused(problem, args, check_ids=False)
+    check_close(runs["_SLOT"], (x, w13, w2, np.where((ids >= 0) & (ids < experts), ids, -1), weights))
+    np.testing.assert_array_equal(host_bits(runs["_SLOT"]), host_bits(runs["_TINY"]))
 
 
 def test_experts_of_every_size_give_the_same_bits_on_every_plan(monkeypatch):

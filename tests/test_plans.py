@@ -53,14 +53,17 @@ def test_narrow_gate_up_tiles_up_to_two_rows_per_expert():
 
 
 @pytest.mark.parametrize("cc", sorted(SHARED_LIMITS))
-def test_one_token_goes_by_slot_with_the_tiny_tiles(cc):
-    """T = 1 skips the dispatch on every GPU; its tiles are the TINY plan's, so are its bits."""
-    def plan(tokens, top_k=8):
-        return experts.plan(tokens, top_k, 256, 4096, 1024, cc, SHARED_LIMITS[cc])
-    assert plan(1).by_slot and plan(1, top_k=256).by_slot
-    assert not plan(2).by_slot
-    tiny = plan(2)
-    for got, want in ((plan(1).gate_up, tiny.gate_up), (plan(1).down, tiny.down)):
+def test_few_slots_go_by_slot_with_the_tiny_tiles(cc):
+    """Up to 128 slots, where the TINY plan would run, the GEMMs skip the dispatch on every GPU; their
+    tiles are the TINY plan's, so are their bits."""
+    def plan(tokens, top_k=8, num_experts=256):
+        return experts.plan(tokens, top_k, num_experts, 4096, 1024, cc, SHARED_LIMITS[cc])
+    assert plan(1).by_slot and plan(16).by_slot and plan(128, top_k=1).by_slot
+    assert not plan(17).by_slot and not plan(1, top_k=256).by_slot
+    assert plan(8, top_k=2, num_experts=8).by_slot  # 2 rows per expert
+    assert not plan(9, top_k=2, num_experts=8).by_slot  # past TINY's rows
+    tiny = plan(17)
+    for got, want in ((plan(16).gate_up, tiny.gate_up), (plan(16).down, tiny.down)):
         assert (got.kernel, want.kernel) == (experts.SLOT, experts.MMA)
         assert dataclasses.replace(got, kernel=experts.MMA) == want
 
