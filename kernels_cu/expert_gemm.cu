@@ -107,7 +107,8 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
           v0 = silu(v0) * acc_up[mi][ni][2 * half];
           v1 = silu(v1) * acc_up[mi][ni][2 * half + 1];
         }
-        store_pair<T>(c, tile, SLOT_ORDER ? order[r] : r, n_out, warp_n * WTN + ni * 8 + (lane & 3) * 2, v0, v1);
+        const int col = warp_n * WTN + ni * 8 + (lane & 3) * 2;
+        store_pair<T>(c, tile, SLOT_ORDER ? order[r] : r, n_out, col, v0, v1);
       }
     }
   }
