@@ -29,7 +29,8 @@ class GemmConfig:
     k_group: int = 1  # K-tiles per stage (mma.sync kernel): each weight row is read k_group * 128 bytes at a time
     # MMA: expert_gemm (mma.sync, sm_80+). PERSISTENT: expert_gemm_ws (sm_90a), a loading
     # warpgroup and two wgmma warpgroups (warps_m = 8), each multiplying half the tile's weight
-    # rows by all block_m slots. SLOT: slot_gemm (mma.sync), one routed slot per block, no dispatch.
+    # rows by all block_m slots. SLOT: slot_gemm (mma.sync), no dispatch: a block per routed slot,
+    # the blocks of an expert's first slot and of every block_m-th after it computing its slots.
     kernel: str = MMA
 
     @property
@@ -71,7 +72,7 @@ class Plan:
 
     @property
     def by_slot(self) -> bool:
-        """slot_gemm's plan: each routed slot its own tile, no dispatch."""
+        """slot_gemm's plan: the GEMMs find each expert's slots themselves, no dispatch."""
         return self.gate_up.kernel == SLOT
 
     @property
