@@ -36,6 +36,11 @@ class Workspace:
                 f"could not be allocated; nothing was written. Split the batch. ({err})"
             ) from err
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of GPU memory held: h and y (the dispatch's buffers add a few bytes per slot)."""
+        return self.h.nbytes + self.y.nbytes
+
 
 def forward(a: dict, shape: _checks.Shape, workspace: Workspace, out, check_ids: bool):
     """Run the layer on checked CuPy arrays ``a`` (x, w13, w2, topk_ids, topk_weights)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _checks, reference
+from . import _checks, _workspaces, reference
 
 
 def _coerce(**arrays):
@@ -89,12 +89,14 @@ def _forward_numpy(a, shape, out, check_ids):
 
 
 class MoE:
-    """An MoE expert layer that holds its weights and a reusable workspace.
+    """An MoE expert layer that holds its weights and reusable workspaces.
 
     ``moe = MoE(w13, w2)`` then ``moe(x, topk_ids, topk_weights)``. After the first call
     for a given token count T, a call on the GPU allocates nothing, so it can be captured
     in a CUDA graph (``cupy.cuda.Graph`` through stream capture, with ``check_ids=False``)
-    and replayed.
+    and replayed. The layer keeps the workspace of every T it ran during capture and of its
+    latest call; of other T, the most recent up to 512 MiB (``_workspaces.SPARE_BYTES``). An
+    older one is freed to CuPy's memory pool, and the next call with its T allocates again.
 
     Parameters
     ----------
@@ -104,9 +106,10 @@ class MoE:
     Notes
     -----
     Without ``out=``, a GPU call returns an output array owned by the layer: the next call
-    with the same T writes into it again (which is what graph replay needs). Pass ``out=``,
-    or copy, to keep a result. Calls with the same T share one workspace, so they must not
-    overlap on different streams: give each stream its own layer.
+    with the same T writes into it again while the layer keeps that T's workspace (which is
+    what graph replay needs). Pass ``out=``, or copy, to keep a result. Calls with the same T
+    share one workspace, so they must not overlap on different streams: give each stream its
+    own layer.
     """
 
     def __init__(self, w13, w2):
@@ -117,7 +120,7 @@ class MoE:
         self._xp = xp
         self.w13 = a["w13"]
         self.w2 = a["w2"]
-        self._workspaces = {}  # (T, k) -> (Workspace, owned output array)
+        self._workspaces = _workspaces.WorkspaceCache()  # (T, k) -> (Workspace, owned output array)
 
     def __call__(self, x, topk_ids, topk_weights, *, out=None, check_ids=True):
         """Run the layer; arguments, return value and errors as for :func:`fused_experts`."""
@@ -139,9 +142,9 @@ class MoE:
         from . import _gpu_forward
 
         with self.w13.device:
-            key = (shape.tokens, shape.top_k)
-            if key not in self._workspaces:
-                owned = xp.empty((shape.tokens, shape.hidden), shape.dtype)
-                self._workspaces[key] = (_gpu_forward.Workspace(shape, self.w13.device.id), owned)
-            workspace, owned = self._workspaces[key]
+            workspace, owned = self._workspaces.use(
+                (shape.tokens, shape.top_k),
+                lambda: (_gpu_forward.Workspace(shape, self.w13.device.id),
+                         xp.empty((shape.tokens, shape.hidden), shape.dtype)),
+                captured=xp.cuda.get_current_stream().is_capturing())
             return _gpu_forward.forward(a, shape, workspace, owned if out is None else out, check_ids)

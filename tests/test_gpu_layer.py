@@ -198,6 +198,33 @@ def test_cuda_graph_replay_sees_new_inputs(tokens):
                 assert int(dispatch.tiles_gate_up[-1]) == (routing == "one")
 
 
+def test_memory_stays_bounded_as_t_varies_and_captured_workspaces_stay():
+    """With no room for spare workspaces, calls at several T keep only the latest call's workspace
+    and the captured one. The graph still replays right, and an output held from a dropped
+    workspace keeps its values: the next call with its T gets a new buffer."""
+    host = random_problem(np.random.default_rng(7), 64, 256, 64, 128, 8)
+    first = lambda tokens: (host[0][:tokens], host[1], host[2], host[3][:tokens], host[4][:tokens])
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x, w13, w2, ids, weights = to_gpu(*host)
+        layer = cupymoe.MoE(w13, w2)
+        layer._workspaces.spare_bytes = 0
+        layer(x[:5], ids[:5], weights[:5], check_ids=False)  # warm-up
+        stream.begin_capture()
+        captured = layer(x[:5], ids[:5], weights[:5], check_ids=False)
+        graph = stream.end_capture()
+        held = layer(x[:40], ids[:40], weights[:40])
+        held_bits = host_bits(held)
+        for tokens in (1, 3, 40, 64):
+            check_close(layer(x[:tokens], ids[:tokens], weights[:tokens]), first(tokens))
+        assert len(layer._workspaces) == 2 and (5, 8) in layer._workspaces and (64, 8) in layer._workspaces
+        np.testing.assert_array_equal(host_bits(held), held_bits)
+        poison(captured)
+        graph.launch(stream)
+        stream.synchronize()
+    check_close(captured, first(5))
+
+
 def test_check_ids_refused_in_graph_capture():
     """check_ids=True synchronises, so it must raise ValueError under capture instead of breaking it."""
     x, w13, w2, ids, weights = to_gpu(*random_problem(np.random.default_rng(0), 16, 128, 8, 64, 2))
