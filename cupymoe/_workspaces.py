@@ -52,6 +52,10 @@ class WorkspaceCache:
         self._drop_spares()
         return entry.workspace, entry.owned
 
+    def clear(self) -> None:
+        """Drop every workspace, captured ones too."""
+        self._entries.clear()
+
     def _drop_spares(self) -> None:
         spares = [(key, e) for key, e in list(self._entries.items())[:-1] if not e.captured]
         spare_bytes = sum(e.nbytes for _, e in spares)

@@ -122,6 +122,12 @@ class MoE:
         self.w2 = a["w2"]
         self._workspaces = _workspaces.WorkspaceCache()  # (T, k) -> (Workspace, owned output array)
 
+    def free_workspaces(self) -> None:
+        """Free every workspace the layer keeps, those of captured T too (to CuPy's memory pool).
+        A graph captured from this layer must not be replayed afterwards; the next call with any
+        T allocates again."""
+        self._workspaces.clear()
+
     def __call__(self, x, topk_ids, topk_weights, *, out=None, check_ids=True):
         """Run the layer; arguments, return value and errors as for :func:`fused_experts`."""
         xp, a = _coerce(x=x, topk_ids=topk_ids, topk_weights=topk_weights)

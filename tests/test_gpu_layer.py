@@ -201,7 +201,8 @@ def test_cuda_graph_replay_sees_new_inputs(tokens):
 def test_memory_stays_bounded_as_t_varies_and_captured_workspaces_stay():
     """With no room for spare workspaces, calls at several T keep only the latest call's workspace
     and the captured one. The graph still replays right, and an output held from a dropped
-    workspace keeps its values: the next call with its T gets a new buffer."""
+    workspace keeps its values: the next call with its T gets a new buffer. free_workspaces
+    drops them all, and the layer still runs."""
     host = random_problem(np.random.default_rng(7), 64, 256, 64, 128, 8)
     first = lambda tokens: (host[0][:tokens], host[1], host[2], host[3][:tokens], host[4][:tokens])
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -222,7 +223,10 @@ def test_memory_stays_bounded_as_t_varies_and_captured_workspaces_stay():
         poison(captured)
         graph.launch(stream)
         stream.synchronize()
-    check_close(captured, first(5))
+        check_close(captured, first(5))
+        layer.free_workspaces()
+        assert len(layer._workspaces) == 0
+        check_close(layer(x[:5], ids[:5], weights[:5]), first(5))
 
 
 def test_check_ids_refused_in_graph_capture():

@@ -65,3 +65,13 @@ def test_the_budget_counts_the_owned_output_too():
     cache.use(1, lambda: (FakeWorkspace(100), np.empty(100, np.uint8)), False)
     use(cache, 2)  # the spare (1) holds 200 bytes
     assert keys(cache) == [2]
+
+
+def test_clear_drops_captured_workspaces_too():
+    cache, made = _workspaces.WorkspaceCache(), []
+    use(cache, 1, captured=True, made=made)
+    use(cache, 2, made=made)
+    cache.clear()
+    assert len(cache) == 0
+    use(cache, 1, made=made)
+    assert made == [1, 2, 1]
