@@ -24,9 +24,9 @@ class WorkspaceCache:
     """(T, k) -> (workspace, owned output), so that a call with a T kept from before allocates nothing.
 
     A workspace used during CUDA graph capture is kept for the layer's lifetime, since the graph's
-    kernels hold its addresses. The others, apart from the latest call's, are dropped least
-    recently used first once they hold more than ``spare_bytes`` together, so calls with many
-    different T take bounded memory. A dropped owned output stays valid for whoever holds it.
+    kernels hold its addresses. When a new one is made, the others, apart from it, are dropped
+    least recently used first while they hold more than ``spare_bytes`` together, so calls with
+    many different T take bounded memory. A dropped owned output stays valid for whoever holds it.
     """
 
     def __init__(self, spare_bytes: int = SPARE_BYTES):
@@ -46,10 +46,14 @@ class WorkspaceCache:
     def use(self, key, create: Callable[[], tuple], captured: bool) -> tuple:
         """The (workspace, owned output) for ``key``, from ``create()`` if not kept; ``captured``:
         the call is being captured into a CUDA graph."""
-        entry = self._entries.pop(key, None) or _Entry(*create())
+        entry = self._entries.pop(key, None)
+        made = entry is None
+        if made:
+            entry = _Entry(*create())
         entry.captured = entry.captured or captured
         self._entries[key] = entry
-        self._drop_spares()
+        if made:  # only a new workspace adds memory: a call with a kept T does no bookkeeping
+            self._drop_spares()
         return entry.workspace, entry.owned
 
     def clear(self) -> None:
