@@ -18,7 +18,7 @@ BOX_COLUMNS = 64
 _DATA_UINT16 = 1  # bf16 and fp16 are copied as bits
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
-_L2_PROMOTION_256B = 3
+_L2_PROMOTION_128B = 2  # 256 bytes streams the weights 1-2% slower (benchmarks/NOTES.md, v22)
 _OOB_FILL_NONE = 0
 # CUtensorMap: 128 opaque bytes; a struct dtype so CuPy passes it by value.
 TENSOR_MAP = np.dtype({"names": [f"w{i}" for i in range(16)], "formats": [np.uint64] * 16,
@@ -43,7 +43,7 @@ def _rows_map(address: int, rows: int, columns: int) -> np.void:
     status = _encode_tiled()(
         out.ctypes.data, _DATA_UINT16, 2, ctypes.c_void_p(address), (u64 * 2)(columns, rows),
         (u64 * 1)(2 * columns), (u32 * 2)(BOX_COLUMNS, BOX_ROWS), (u32 * 2)(1, 1),
-        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_NONE)
+        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_NONE)
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for {rows} rows of "
                            f"{columns} 16-bit values at 0x{address:x}")
