@@ -36,14 +36,14 @@ def _encode_tiled():
     return encode
 
 
-@functools.lru_cache(maxsize=64)  # a map depends only on these three, so reuse is always exact
-def _rows_map(address: int, rows: int, columns: int) -> np.void:
+@functools.lru_cache(maxsize=64)  # a map depends only on its arguments, so reuse is always exact
+def _rows_map(address: int, rows: int, columns: int, promotion: int = _L2_PROMOTION_128B) -> np.void:
     u32, u64 = ctypes.c_uint32, ctypes.c_uint64
     out = np.zeros(1, TENSOR_MAP)
     status = _encode_tiled()(
         out.ctypes.data, _DATA_UINT16, 2, ctypes.c_void_p(address), (u64 * 2)(columns, rows),
         (u64 * 1)(2 * columns), (u32 * 2)(BOX_COLUMNS, BOX_ROWS), (u32 * 2)(1, 1),
-        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B, _OOB_FILL_NONE)
+        _INTERLEAVE_NONE, _SWIZZLE_128B, promotion, _OOB_FILL_NONE)
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for {rows} rows of "
                            f"{columns} 16-bit values at 0x{address:x}")
