@@ -52,6 +52,12 @@ def test_same_array_reuses_the_map(fake):
     assert len(fake.calls) == 2
 
 
+def test_promotion_is_asked_for_and_keys_the_cache(fake):
+    _tma._rows_map(0x10000, 512, 256)
+    _tma._rows_map(0x10000, 512, 256, 0)  # no promotion, as benchmarks/tma_read.py asks for
+    assert [call["modes"][2] for call in fake.calls] == [_tma._L2_PROMOTION_128B, 0]
+
+
 def test_driver_error_names_the_request(fake):
     fake.status = 1
     with pytest.raises(RuntimeError, match=r"CUresult 1 for 512 rows of 256 16-bit values at 0x30000"):
