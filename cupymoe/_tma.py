@@ -18,7 +18,7 @@ BOX_COLUMNS = 64
 _DATA_UINT16 = 1  # bf16 and fp16 are copied as bits
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
-_L2_PROMOTION_128B = 2  # 256 bytes streams the weights 1-2% slower (benchmarks/NOTES.md, v22)
+_L2_PROMOTION_256B = 3  # 128 bytes: 1-2% faster on some H200s, as much slower on others (NOTES.md, v22)
 _OOB_FILL_NONE = 0
 # CUtensorMap: 128 opaque bytes; a struct dtype so CuPy passes it by value.
 TENSOR_MAP = np.dtype({"names": [f"w{i}" for i in range(16)], "formats": [np.uint64] * 16,
@@ -37,7 +37,7 @@ def _encode_tiled():
 
 
 @functools.lru_cache(maxsize=64)  # a map depends only on its arguments, so reuse is always exact
-def _rows_map(address: int, rows: int, columns: int, promotion: int = _L2_PROMOTION_128B) -> np.void:
+def _rows_map(address: int, rows: int, columns: int, promotion: int = _L2_PROMOTION_256B) -> np.void:
     u32, u64 = ctypes.c_uint32, ctypes.c_uint64
     out = np.zeros(1, TENSOR_MAP)
     status = _encode_tiled()(

@@ -39,7 +39,7 @@ def test_weights_are_rows_of_k_in_128_row_boxes_with_128_byte_swizzle(fake):
     assert call["dims"] == [4096, 256 * 2048]  # innermost first: K, then every expert's rows
     assert call["strides"] == [4096 * 2]
     assert call["box"] == [64, 128]  # 64 values = 128 bytes, the kernels' BK and BOX_ROWS
-    assert call["modes"] == (_tma._INTERLEAVE_NONE, _tma._SWIZZLE_128B, _tma._L2_PROMOTION_128B,
+    assert call["modes"] == (_tma._INTERLEAVE_NONE, _tma._SWIZZLE_128B, _tma._L2_PROMOTION_256B,
                              _tma._OOB_FILL_NONE)
     assert call["address"] == 0x10000 and call["rank"] == 2
     assert got.tobytes() == b"\xab" * 128
@@ -55,7 +55,7 @@ def test_same_array_reuses_the_map(fake):
 def test_promotion_is_asked_for_and_keys_the_cache(fake):
     _tma._rows_map(0x10000, 512, 256)
     _tma._rows_map(0x10000, 512, 256, 0)  # no promotion, as benchmarks/tma_read.py asks for
-    assert [call["modes"][2] for call in fake.calls] == [_tma._L2_PROMOTION_128B, 0]
+    assert [call["modes"][2] for call in fake.calls] == [_tma._L2_PROMOTION_256B, 0]
 
 
 def test_driver_error_names_the_request(fake):
