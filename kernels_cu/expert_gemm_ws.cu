@@ -238,6 +238,9 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
       // The previous stage's MMAs have retired (KG = 2: this stage's), so it can be refilled.
       if constexpr (KG == 1) wgmma_wait<1>(); else wgmma_wait<0>();
       const int retired = KG == 1 ? previous : stage;
+      // KG = 2 frees the stage whose tile this warp's lanes just read: their reads come before the
+      // leader's arrival (racecheck reported hazards without this; the fix is untested, NOTES v22).
+      if (KG == 2) __syncwarp();
       if (retired >= 0 && warp_leader) mbarrier_arrive(empty + 8 * retired);
       previous = stage;
       for (int s = 0; s < KG; ++s) advance();  // KG = 2: past the other consumer's stage
