@@ -107,7 +107,7 @@ def _persistent_plan(block_m: int, stages: int, k_group: int = 1) -> Plan:
 # count (the MMA's N) the smallest that holds most experts whole (NOTES.md, v7), and beyond 80
 # rows 160, which holds experts of 128 whole and splits 256 in two (v8); elsewhere, mma.sync tiles
 # of 32 to 128 rows. The two smallest, which stream the weights, take two K-tiles per stage (v12),
-# and so does the 64-slot persistent plan, each stage half its weight rows (v22).
+# and so does the 64-slot persistent plan, each stage half its weight rows (v22-v23).
 _TINY = Plan(GemmConfig(16, 32, 1, 2, 4, 2), GemmConfig(16, 128, 1, 4, 3, 2))
 _SLOT = Plan(replace(_TINY.gate_up, kernel=SLOT), replace(_TINY.down, kernel=SLOT))
 _SMALL = Plan(GemmConfig(16, 64, 1, 4, 3, 2), GemmConfig(16, 64, 1, 4, 3, 2))
@@ -144,9 +144,11 @@ def _fit(cfg: GemmConfig, fallback: GemmConfig, n_out: int) -> GemmConfig:
 
 
 def _fit_shared(cfg: GemmConfig, gated: bool, limit: int) -> GemmConfig:
-    """cfg with its pipeline cut (to 2 stages at the least) until it fits ``limit`` bytes."""
-    while cfg.shared_bytes(gated) > limit and cfg.stages > 2:
-        cfg = replace(cfg, stages=cfg.stages - 1)
+    """cfg with its pipeline cut (to 2 stages at the least) until it fits ``limit`` bytes. The
+    persistent kernel's consumers take alternate stages of two K-tiles, so those go in pairs."""
+    step = 2 if cfg.kernel == PERSISTENT and cfg.k_group == 2 else 1
+    while cfg.shared_bytes(gated) > limit and cfg.stages - step >= 2:
+        cfg = replace(cfg, stages=cfg.stages - step)
     return cfg
 
 

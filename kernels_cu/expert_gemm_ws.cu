@@ -11,9 +11,9 @@
 // has both in one thread.
 // A stage holds KG K-tiles. KG = 1: one K-tile of all 256 weight rows, which both consumers read,
 // each keeping one stage of MMAs in flight. KG = 2: two K-tiles of one consumer's 128 rows, the
-// consumers taking alternate stages, each freeing its stage once its MMAs retire (the other's keep
-// the tensor cores busy meanwhile). A weight row is then read 256 bytes at a time, which DRAM
-// streams faster than 128 (NOTES.md, v22).
+// consumers taking alternate stages of an even ring, each freeing its stage once its MMAs retire
+// (the other's keep the tensor cores busy meanwhile). A weight row is then read 256 bytes at a
+// time, which DRAM streams faster than 128 (NOTES.md, v22-v23).
 // No warp waits on a block-wide barrier, and the producer fills the next tile's stages while the
 // consumers run the epilogue. Each tile is computed by one block in a fixed K order, so which
 // block claims it does not change a bit of the result.
@@ -121,6 +121,15 @@ struct ConsumerTile {
   }
 };
 
+// A stage's tile, read by the warp's leader alone and passed to its lanes: the thread that frees
+// the stage is then the only one whose read of it the producer's next store must follow.
+__device__ __forceinline__ Tile read_by_leader(const Tile& shared, bool warp_leader) {
+  Tile t{};
+  if (warp_leader) t = shared;
+  return Tile{__shfl_sync(~0u, t.expert, 0), __shfl_sync(~0u, t.slot_base, 0), __shfl_sync(~0u, t.rows, 0),
+              __shfl_sync(~0u, t.n0, 0)};
+}
+
 template <class T, int SLOTS, int STAGES, int KG, bool GATED>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
@@ -130,6 +139,9 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   if (!plan_chosen(tile_offsets, num_experts, plan)) return;
   static_assert(KG == 1 || KG == 2, "a stage holds all weight rows of one K-tile or a consumer's of two");
+  // With an odd ring a stage would pass between the consumers, and one could wait on a phase parity
+  // the stage had reached a round earlier.
+  static_assert(KG == 1 || STAGES % 2 == 0, "KG = 2: each consumer keeps its own stages");
   using Consumer = ConsumerTile<T, SLOTS, KG, GATED>;
   constexpr int BN = Consumer::BN;
   constexpr int STAGE_ROWS = WEIGHT_ROWS / KG;                           // weight rows per stage
@@ -224,7 +236,7 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   if (KG == 2 && consumer == 1) advance();  // consumer c takes stages c, c + 2, ...
   for (;;) {
     mbarrier_wait(full + 8 * stage, phase);
-    const Tile tile = stage_tile[stage];
+    const Tile tile = read_by_leader(stage_tile[stage], warp_leader);
     if (tile.rows < 0) break;
     const int passes = (tile.rows + STAGED_SLOTS - 1) / STAGED_SLOTS;  // of the MMA's N and the epilogue
     int previous = -1;
@@ -238,9 +250,6 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
       // The previous stage's MMAs have retired (KG = 2: this stage's), so it can be refilled.
       if constexpr (KG == 1) wgmma_wait<1>(); else wgmma_wait<0>();
       const int retired = KG == 1 ? previous : stage;
-      // KG = 2 frees the stage whose tile this warp's lanes just read: their reads come before the
-      // leader's arrival (racecheck reported hazards without this; the fix is untested, NOTES v22).
-      if (KG == 2) __syncwarp();
       if (retired >= 0 && warp_leader) mbarrier_arrive(empty + 8 * retired);
       previous = stage;
       for (int s = 0; s < KG; ++s) advance();  // KG = 2: past the other consumer's stage
