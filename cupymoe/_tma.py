@@ -19,6 +19,7 @@ _DATA_UINT16 = 1  # bf16 and fp16 are copied as bits
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3  # 128 bytes: 1-2% faster on some H200s, as much slower on others (NOTES.md, v22)
+_L2_PROMOTION_NONE = 0
 _OOB_FILL_NONE = 0
 # CUtensorMap: 128 opaque bytes; a struct dtype so CuPy passes it by value.
 TENSOR_MAP = np.dtype({"names": [f"w{i}" for i in range(16)], "formats": [np.uint64] * 16,
@@ -37,12 +38,13 @@ def _encode_tiled():
 
 
 @functools.lru_cache(maxsize=64)  # a map depends only on its arguments, so reuse is always exact
-def _rows_map(address: int, rows: int, columns: int, promotion: int = _L2_PROMOTION_256B) -> np.void:
+def _rows_map(address: int, rows: int, columns: int, promotion: int = _L2_PROMOTION_256B,
+              box_rows: int = BOX_ROWS) -> np.void:
     u32, u64 = ctypes.c_uint32, ctypes.c_uint64
     out = np.zeros(1, TENSOR_MAP)
     status = _encode_tiled()(
         out.ctypes.data, _DATA_UINT16, 2, ctypes.c_void_p(address), (u64 * 2)(columns, rows),
-        (u64 * 1)(2 * columns), (u32 * 2)(BOX_COLUMNS, BOX_ROWS), (u32 * 2)(1, 1),
+        (u64 * 1)(2 * columns), (u32 * 2)(BOX_COLUMNS, box_rows), (u32 * 2)(1, 1),
         _INTERLEAVE_NONE, _SWIZZLE_128B, promotion, _OOB_FILL_NONE)
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for {rows} rows of "
@@ -50,7 +52,11 @@ def _rows_map(address: int, rows: int, columns: int, promotion: int = _L2_PROMOT
     return out[0]
 
 
-def weight_rows_map(w) -> np.void:
-    """The tensor map of a C-contiguous 16-bit CuPy array ``w`` [..., K] seen as [rows, K]."""
+def weight_rows_map(w, k_group: int = 1) -> np.void:
+    """The tensor map of a C-contiguous 16-bit CuPy array ``w`` [..., K] seen as [rows, K], for
+    expert_gemm_ws stages of ``k_group`` K-tiles (2: 64-row boxes, of which a stage reads each
+    row's 256 bytes at once, so without L2 promotion)."""
     columns = w.shape[-1]
-    return _rows_map(w.data.ptr, w.size // columns, columns)
+    if k_group == 1:
+        return _rows_map(w.data.ptr, w.size // columns, columns)
+    return _rows_map(w.data.ptr, w.size // columns, columns, _L2_PROMOTION_NONE, 64)

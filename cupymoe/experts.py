@@ -26,7 +26,9 @@ class GemmConfig:
     warps_m: int
     warps_n: int
     stages: int  # shared-memory pipeline depth
-    k_group: int = 1  # K-tiles per stage (mma.sync kernel): each weight row is read k_group * 128 bytes at a time
+    # K-tiles per stage: each weight row is read k_group * 128 bytes at a time. In the persistent
+    # kernel a stage of two holds one consumer's half of the weight rows, the consumers alternating.
+    k_group: int = 1
     # MMA: expert_gemm (mma.sync, sm_80+). PERSISTENT: expert_gemm_ws (sm_90a), a loading
     # warpgroup and two wgmma warpgroups (warps_m = 8), each multiplying half the tile's weight
     # rows by all block_m slots. SLOT: slot_gemm (mma.sync), no dispatch: a block per routed slot,
@@ -43,6 +45,8 @@ class GemmConfig:
 
     def shared_bytes(self, gated: bool) -> int:
         weight_rows = 2 * self.block_n if gated else self.block_n
+        if self.kernel == PERSISTENT:
+            weight_rows //= self.k_group
         stages = self.stages * self.k_group * (self.block_m + weight_rows) * K_TILE * 2
         if self.kernel != PERSISTENT:
             return stages
@@ -55,7 +59,7 @@ class GemmConfig:
         tag = "bf16" if dtype == _checks.BFLOAT16 else "f16"
         flag = "true" if gated else "false"
         if self.kernel == PERSISTENT:
-            return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{flag}>"
+            return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{self.k_group},{flag}>"
         name, types = ("slot_gemm", f"{tag},{id_type}") if self.kernel == SLOT else ("expert_gemm", tag)
         return (f"{name}<{types},{self.block_m},{self.block_n},{self.warps_m},{self.warps_n},"
                 f"{self.stages},{self.k_group},{flag}>")
@@ -88,10 +92,10 @@ class Plan:
         return ((own, -1),) if other in (None, own) else ((own, 0), (other, 1))
 
 
-def _persistent_plan(block_m: int, stages: int) -> Plan:
+def _persistent_plan(block_m: int, stages: int, k_group: int = 1) -> Plan:
     """expert_gemm_ws: 256 weight rows per tile, so gate/up 128 columns (of gate and of up), down 256."""
-    return Plan(GemmConfig(block_m, 128, 8, 1, stages, kernel=PERSISTENT),
-                GemmConfig(block_m, 256, 8, 1, stages, kernel=PERSISTENT))
+    return Plan(GemmConfig(block_m, 128, 8, 1, stages, k_group, kernel=PERSISTENT),
+                GemmConfig(block_m, 256, 8, 1, stages, k_group, kernel=PERSISTENT))
 
 
 # Up to SLOT_SLOTS routed slots, the TINY plan's tiles without a dispatch: the block of each expert's
@@ -102,14 +106,15 @@ def _persistent_plan(block_m: int, stages: int) -> Plan:
 # tiles. Beyond, on Hopper, the persistent wgmma kernel streams the weights by TMA, its slot
 # count (the MMA's N) the smallest that holds most experts whole (NOTES.md, v7), and beyond 80
 # rows 160, which holds experts of 128 whole and splits 256 in two (v8); elsewhere, mma.sync tiles
-# of 32 to 128 rows. The two smallest, which stream the weights, take two K-tiles per stage (v12).
+# of 32 to 128 rows. The two smallest, which stream the weights, take two K-tiles per stage (v12),
+# and so does the 64-slot persistent plan, each stage half its weight rows (v22-v23).
 _TINY = Plan(GemmConfig(16, 32, 1, 2, 4, 2), GemmConfig(16, 128, 1, 4, 3, 2))
 _SLOT = Plan(replace(_TINY.gate_up, kernel=SLOT), replace(_TINY.down, kernel=SLOT))
 _SMALL = Plan(GemmConfig(16, 64, 1, 4, 3, 2), GemmConfig(16, 64, 1, 4, 3, 2))
 _MEDIUM_32 = Plan(GemmConfig(32, 64, 2, 2, 5), GemmConfig(32, 128, 1, 4, 5))
 _MEDIUM = Plan(GemmConfig(64, 64, 2, 2, 4), GemmConfig(64, 128, 2, 2, 4))
 _LARGE = Plan(GemmConfig(128, 64, 4, 2, 3), GemmConfig(128, 128, 4, 2, 3))
-_PERSISTENT_64 = _persistent_plan(64, 5)
+_PERSISTENT_64 = _persistent_plan(64, 4, 2)
 _PERSISTENT_96 = _persistent_plan(96, 4)
 _PERSISTENT_160 = _persistent_plan(160, 4)
 PLANS = (_SLOT, _TINY, _SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT_64, _PERSISTENT_96, _PERSISTENT_160)
@@ -139,9 +144,11 @@ def _fit(cfg: GemmConfig, fallback: GemmConfig, n_out: int) -> GemmConfig:
 
 
 def _fit_shared(cfg: GemmConfig, gated: bool, limit: int) -> GemmConfig:
-    """cfg with its pipeline cut (to 2 stages at the least) until it fits ``limit`` bytes."""
-    while cfg.shared_bytes(gated) > limit and cfg.stages > 2:
-        cfg = replace(cfg, stages=cfg.stages - 1)
+    """cfg with its pipeline cut (to 2 stages at the least) until it fits ``limit`` bytes. The
+    persistent kernel's consumers take alternate stages of two K-tiles, so those go in pairs."""
+    step = 2 if cfg.kernel == PERSISTENT and cfg.k_group == 2 else 1
+    while cfg.shared_bytes(gated) > limit and cfg.stages - step >= 2:
+        cfg = replace(cfg, stages=cfg.stages - step)
     return cfg
 
 
@@ -221,7 +228,7 @@ def _launch(cfg: GemmConfig, plan_index: int, gated: bool, dtype, device_id: int
     grid = max_m_tiles(slots, experts, cfg.block_m) * (n_out // cfg.block_n)
     if cfg.kernel == PERSISTENT:
         grid = min(grid, _compile.multiprocessors(device_id))  # one block per SM claims tiles
-        w = _tma.weight_rows_map(w)  # the weight tiles come by TMA
+        w = _tma.weight_rows_map(w, cfg.k_group)  # the weight tiles come by TMA
     kernel((grid,), (cfg.threads,),
            (a, sorted_slots, np.int32(top_k), w, offsets, tile_offsets, np.int32(plan_index),
             np.int32(experts), np.int32(n_out), np.int32(k_dim), c),

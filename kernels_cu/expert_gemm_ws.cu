@@ -4,11 +4,16 @@
 // each while the previous one's last K-tiles load, gathers each tile's SLOTS A rows (slots of x or
 // h) with cp.async (expert_tiles.cuh) and loads its 256-row weight tile by TMA (gate/up: 128 gate
 // rows then 128 up rows; down: 256 rows), through STAGES shared stages handed over by full and
-// empty mbarriers; a tile's first stage carries its coordinates. Warpgroups 1 and 2 consume, keeping
-// one K-tile of MMAs in flight: each owns 128 of the weight rows as two m64 blocks and multiplies
-// them by the tile's slots (m64nNk16, N = SLOTS, or less for an expert's last, short chunk: rows
-// rounded up to 32), so an expert's few rows do not pad the MMA to all SLOTS. Gate/up pairs each
-// gate block with its up block, so SwiGLU has both in one thread.
+// empty mbarriers; a tile's first stage carries its coordinates. Warpgroups 1 and 2 consume: each
+// owns 128 of the weight rows as two m64 blocks and multiplies them by the tile's slots (m64nNk16,
+// N = SLOTS, or less for an expert's last, short chunk: rows rounded up to 32), so an expert's few
+// rows do not pad the MMA to all SLOTS. Gate/up pairs each gate block with its up block, so SwiGLU
+// has both in one thread.
+// A stage holds KG K-tiles. KG = 1: one K-tile of all 256 weight rows, which both consumers read,
+// each keeping one stage of MMAs in flight. KG = 2: two K-tiles of one consumer's 128 rows, the
+// consumers taking alternate stages of an even ring, each freeing its stage once its MMAs retire
+// (the other's keep the tensor cores busy meanwhile). A weight row is then read 256 bytes at a
+// time, which DRAM streams faster than 128 (NOTES.md, v22-v23).
 // No warp waits on a block-wide barrier, and the producer fills the next tile's stages while the
 // consumers run the epilogue. Each tile is computed by one block in a fixed K order, so which
 // block claims it does not change a bit of the result.
@@ -22,12 +27,12 @@ constexpr int PRODUCER_REGISTERS = 88;
 constexpr int CONSUMER_REGISTERS = 208;
 constexpr int CONSUMERS = 2;
 constexpr int WEIGHT_ROWS = 256;  // weight rows per tile
-constexpr int BOX_ROWS = 128;     // weight rows per TMA box (cupymoe/_tma.py encodes the same)
+constexpr int BLOCK_ROWS = 64;    // weight rows per m64 block, two per consumer
 constexpr int STAGED_SLOTS = 32;  // slots per pass of the epilogue (cupymoe/experts.py: STAGED_SLOTS)
-constexpr int CLAIM_AHEAD = 3;    // K-tiles before a tile's end at which the producer claims the next
+constexpr int CLAIM_AHEAD = 3;    // stages before a tile's end at which the producer claims the next
 
 // One consumer's share of a tile: accumulators, MMAs and epilogue.
-template <class T, int SLOTS, bool GATED>
+template <class T, int SLOTS, int KG, bool GATED>
 struct ConsumerTile {
   static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns per tile
   static constexpr int COLUMNS = BN / CONSUMERS;                    // ... per consumer
@@ -37,10 +42,21 @@ struct ConsumerTile {
   static_assert(SLOTS % STAGED_SLOTS == 0 && SLOTS <= 5 * STAGED_SLOTS, "whole passes, at most five");
   float acc[2][SLOTS / 2];  // m64nSLOTS, twice: weight rows r and r + 8 of 8-slot block i at 4i + {0, 1} and 4i + {2, 3}
 
-  // Only the tile's first `passes` groups of STAGED_SLOTS slots hold rows: N covers just those.
-  __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer, bool accumulate, int passes) {
-    const u32 w0 = s_b + consumer * COLUMNS * 128, w1 = w0 + SECOND_BLOCK * 128;
-    mma_passes<1>(w0, w1, s_a, accumulate, passes);
+  // One stage's MMAs over its `k_tiles` K-tiles (KG or, at the end of an odd K, fewer). Only the
+  // tile's first `passes` groups of STAGED_SLOTS slots hold rows: N covers just those.
+  __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer, bool accumulate, int passes, int k_tiles) {
+    if constexpr (KG == 1) {
+      const u32 w0 = s_b + consumer * COLUMNS * 128;
+      mma_passes<1>(w0, w0 + SECOND_BLOCK * 128, s_a, accumulate, passes);
+    } else {  // K-tile j: this consumer's two blocks, then the slots
+#pragma unroll
+      for (int j = 0; j < KG; ++j) {
+        if (j < k_tiles) {
+          const u32 w0 = s_b + j * 2 * BLOCK_ROWS * 128;
+          mma_passes<1>(w0, w0 + BLOCK_ROWS * 128, s_a + j * SLOTS * 128, accumulate || j > 0, passes);
+        }
+      }
+    }
   }
 
   // The accumulators' rows are output columns: stmatrix transposes them into this consumer's
@@ -105,7 +121,16 @@ struct ConsumerTile {
   }
 };
 
-template <class T, int SLOTS, int STAGES, bool GATED>
+// A stage's tile, read by the warp's leader alone and passed to its lanes: the thread that frees
+// the stage is then the only one whose read of it the producer's next store must follow.
+__device__ __forceinline__ Tile read_by_leader(const Tile& shared, bool warp_leader) {
+  Tile t{};
+  if (warp_leader) t = shared;
+  return Tile{__shfl_sync(~0u, t.expert, 0), __shfl_sync(~0u, t.slot_base, 0), __shfl_sync(~0u, t.rows, 0),
+              __shfl_sync(~0u, t.n0, 0)};
+}
+
+template <class T, int SLOTS, int STAGES, int KG, bool GATED>
 __global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
 expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                const __grid_constant__ TensorMap w_map, const int* __restrict__ offsets,
@@ -113,13 +138,20 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
                u16* __restrict__ c) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   if (!plan_chosen(tile_offsets, num_experts, plan)) return;
-  using Consumer = ConsumerTile<T, SLOTS, GATED>;
+  static_assert(KG == 1 || KG == 2, "a stage holds all weight rows of one K-tile or a consumer's of two");
+  // With an odd ring a stage would pass between the consumers, and one could wait on a phase parity
+  // the stage had reached a round earlier.
+  static_assert(KG == 1 || STAGES % 2 == 0, "KG = 2: each consumer keeps its own stages");
+  using Consumer = ConsumerTile<T, SLOTS, KG, GATED>;
   constexpr int BN = Consumer::BN;
-  constexpr int A_BYTES = SLOTS * 128, B_BYTES = WEIGHT_ROWS * 128;  // one stage
+  constexpr int STAGE_ROWS = WEIGHT_ROWS / KG;                           // weight rows per stage
+  constexpr int A_BYTES = KG * SLOTS * 128, B_BYTES = KG * STAGE_ROWS * 128;  // one stage
+  constexpr int BOX_ROWS = KG == 1 ? 128 : BLOCK_ROWS;  // weight rows per TMA box (cupymoe/_tma.py encodes the same)
+  constexpr int STAGE_TAKERS = KG == 1 ? CONSUMERS : 1;  // consumers that read each stage
   using Gather = RowGather<SLOTS, 128, GATED>;
 
   extern __shared__ unsigned char smem[];
-  __shared__ Tile stage_tile[STAGES];  // the tile whose first K-tile a stage holds; rows -1: no more tiles
+  __shared__ Tile stage_tile[STAGES];  // the tile whose first K-tiles a stage holds; rows -1: no more tiles
   __shared__ int claimed[2];           // the producer's last two claims, for its 128 threads
   const u32 s_a = (smem_addr(smem) + 1023) & ~1023u;  // the swizzle repeats every 1024 bytes
   const u32 s_b = s_a + STAGES * A_BYTES;
@@ -129,12 +161,13 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(full + 8 * s, 128 + 1);        // each producer thread's copies, and the TMA
-      mbarrier_init(empty + 8 * s, CONSUMERS * 4);  // one arrival per consumer warp
+      mbarrier_init(empty + 8 * s, STAGE_TAKERS * 4);  // one arrival per warp of its consumers
     }
   }
   __syncthreads();
 
   const int k_tiles = k_dim / BK;
+  const int k_steps = (k_tiles + KG - 1) / KG;  // a consumer's stages per tile
   int stage = 0;
   u32 phase = 0;  // parity of the stage's current round
   const auto advance = [&] {
@@ -146,7 +179,8 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
     int* next_work = tile_offsets + num_experts + 1;
     // The next tile is claimed while the current one's last K-tiles load, and found and its rows
     // read once the last is issued, so a stage freed at the tile boundary is refilled soon after.
-    const int claim_kt = max(k_tiles - CLAIM_AHEAD, 0);
+    const int tile_stages = KG * k_steps;  // KG = 2: both consumers' stages, alternating
+    const int claim_stage = max(tile_stages - CLAIM_AHEAD, 0);
     if (threadIdx.x == 0) claimed[0] = atomicAdd(next_work, 1);
     named_barrier_sync(1, 128);
     Tile tile;
@@ -157,18 +191,26 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
     for (int claim = 1; more; ++claim) {  // claimed[] alternates between tiles
       const int w_row = tile.expert * (GATED ? 2 * n_out : n_out) + tile.n0;  // the tile's first weight row
       int next_claim = 0;
-      for (int kt = 0; kt < k_tiles; ++kt) {
+      for (int ts = 0; ts < tile_stages; ++ts) {
+        const int half = KG == 1 ? 0 : ts & 1;  // whose rows: KG = 1 both consumers', else consumer `half`'s
+        const int kt0 = ts / KG * KG, kts = min(KG, k_tiles - kt0);
         mbarrier_wait(empty + 8 * stage, phase ^ 1);
-        gather.load(s_a + stage * A_BYTES, a, k_dim, kt);
+        for (int j = 0; j < kts; ++j) gather.load(s_a + stage * A_BYTES + j * SLOTS * 128, a, k_dim, kt0 + j);
         mbarrier_arrive_after_cp_async(full + 8 * stage);
         if (threadIdx.x == 0) {
-          if (kt == 0) stage_tile[stage] = tile;
-          mbarrier_arrive_expect_tx(full + 8 * stage, B_BYTES);
-          for (int row = 0; row < WEIGHT_ROWS; row += BOX_ROWS) {
-            const int skip = (GATED && row >= BN) ? n_out - BN : 0;  // rows from BN on: the up projection
-            tma_load_2d(s_b + stage * B_BYTES + row * 128, w_map, kt * BK, w_row + row + skip, full + 8 * stage);
+          if (ts < KG) stage_tile[stage] = tile;  // each consumer's first stage of the tile
+          mbarrier_arrive_expect_tx(full + 8 * stage, kts * STAGE_ROWS * 128);
+          for (int j = 0; j < kts; ++j) {
+            for (int row = 0; row < STAGE_ROWS; row += BOX_ROWS) {
+              // Stage row `row` is tile row r (KG = 2: block row / 64 of consumer `half`, where its
+              // MMAs read it with KG = 1); gate/up's rows from BN on are the up projection's, n_out on.
+              const int r = KG == 1 ? row : half * Consumer::COLUMNS + row / BLOCK_ROWS * Consumer::SECOND_BLOCK;
+              const int skip = (GATED && r >= BN) ? n_out - BN : 0;
+              tma_load_2d(s_b + stage * B_BYTES + (j * STAGE_ROWS + row) * 128, w_map, (kt0 + j) * BK,
+                          w_row + r + skip, full + 8 * stage);
+            }
           }
-          if (kt == claim_kt) next_claim = atomicAdd(next_work, 1);
+          if (ts == claim_stage) next_claim = atomicAdd(next_work, 1);
         }
         advance();
       }
@@ -177,10 +219,13 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
       more = find_tile<SLOTS, BN>(claimed[claim & 1], offsets, tile_offsets, num_experts, n_out, tile);
       if (more) gather = Gather(tile, order, top_k);
     }
-    mbarrier_wait(empty + 8 * stage, phase ^ 1);
-    if (threadIdx.x == 0) stage_tile[stage].rows = -1;
-    mbarrier_arrive(full + 8 * stage);
-    if (threadIdx.x == 0) mbarrier_arrive(full + 8 * stage);
+    for (int taker = 0; taker < KG; ++taker) {  // the end, in the next stage of each consumer that takes stages
+      mbarrier_wait(empty + 8 * stage, phase ^ 1);
+      if (threadIdx.x == 0) stage_tile[stage].rows = -1;
+      mbarrier_arrive(full + 8 * stage);
+      if (threadIdx.x == 0) mbarrier_arrive(full + 8 * stage);
+      advance();
+    }
     return;
   }
 
@@ -188,25 +233,29 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   const int consumer = (threadIdx.x >> 7) - 1;
   const bool warp_leader = (threadIdx.x & 31) == 0;
   Consumer tile_acc;
+  if (KG == 2 && consumer == 1) advance();  // consumer c takes stages c, c + 2, ...
   for (;;) {
     mbarrier_wait(full + 8 * stage, phase);
-    const Tile tile = stage_tile[stage];
+    const Tile tile = read_by_leader(stage_tile[stage], warp_leader);
     if (tile.rows < 0) break;
     const int passes = (tile.rows + STAGED_SLOTS - 1) / STAGED_SLOTS;  // of the MMA's N and the epilogue
     int previous = -1;
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      if (kt > 0) mbarrier_wait(full + 8 * stage, phase);
+    for (int step = 0; step < k_steps; ++step) {
+      if (step > 0) mbarrier_wait(full + 8 * stage, phase);
       fence_proxy_async();  // the producer's cp.async writes, seen by wgmma's async proxy
       wgmma_fence();
-      tile_acc.mma(s_a + stage * A_BYTES, s_b + stage * B_BYTES, consumer, kt > 0, passes);
+      tile_acc.mma(s_a + stage * A_BYTES, s_b + stage * B_BYTES, consumer, step > 0, passes,
+                   min(KG, k_tiles - step * KG));
       wgmma_commit();
-      wgmma_wait<1>();  // the previous K-tile's MMAs have retired: its stage can be refilled
-      if (previous >= 0 && warp_leader) mbarrier_arrive(empty + 8 * previous);
+      // The previous stage's MMAs have retired (KG = 2: this stage's), so it can be refilled.
+      if constexpr (KG == 1) wgmma_wait<1>(); else wgmma_wait<0>();
+      const int retired = KG == 1 ? previous : stage;
+      if (retired >= 0 && warp_leader) mbarrier_arrive(empty + 8 * retired);
       previous = stage;
-      advance();
+      for (int s = 0; s < KG; ++s) advance();  // KG = 2: past the other consumer's stage
     }
     wgmma_wait<0>();
-    if (warp_leader) mbarrier_arrive(empty + 8 * previous);
+    if (KG == 1 && warp_leader) mbarrier_arrive(empty + 8 * previous);
     tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES);
   }
 #else

@@ -4,10 +4,10 @@
 # Usage: scripts/sanitize.sh [TOOL ...]        (default: all four tools, one after the other)
 #
 # Each tool runs scripts/sanitize_cases.py (the test shapes and the benchmark workload at reduced
-# T; see its docstring for SANITIZE_QUICK, SANITIZE_SMALL, SANITIZE_REF_T and SANITIZE_POOL)
-# and, when SANITIZE_PYTEST is set, pytest with those arguments. One line per tool is printed, e.g.
-# "memcheck: 0 errors"; the whole output goes to $OUT/sanitize-<tool>.log. Exits 1 unless every
-# tool reports 0 errors and every run exits 0.
+# T; see its docstring for SANITIZE_QUICK, SANITIZE_SMALL, SANITIZE_REF_T, SANITIZE_POOL and
+# SANITIZE_MATCH) and, when SANITIZE_PYTEST is set, pytest with those arguments. One line per
+# tool is printed, e.g. "memcheck: 0 errors"; the whole output goes to $OUT/sanitize-<tool>.log.
+# Exits 1 unless every tool reports 0 errors and every run exits 0.
 #
 # Environment:
 #   COMPUTE_SANITIZER  the compute-sanitizer binary; by default the first found on PATH, in

@@ -6,7 +6,8 @@ short because each tool slows kernels 10-100x:
 
 - small shapes: T in {0, 1, 3, 64, 257}, E in {8, 64}, k in {1, 2, 8}, H = I = 128, bf16 and
   fp16; then -1 ids, every slot on one expert, experts without tokens, one expert with all of
-  them, unchecked out-of-range ids and other widths. fused_experts, MoE (with and without out=),
+  them, unchecked out-of-range ids and other widths; on sm_90, each persistent plan forced where
+  every block takes many tiles. fused_experts, MoE (with and without out=),
   dispatch and route are compared with the NumPy backend, so the kernels surely ran.
 - the benchmark's reference workload: H = 4096, E = 256, I = 1024, k = 8 with full-size weights
   (6 GiB, drawn on the host) at T in {1, 4, 64, 512}, uniform and Zipf routing, routed by
@@ -18,6 +19,7 @@ Environment:
   SANITIZE_REF_T=1,4,64  the benchmark workload's token counts (default 1,4,64,512)
   SANITIZE_POOL=1        keep CuPy's memory pool; by default every array is its own cudaMalloc,
                          so memcheck sees exact bounds and initcheck sees fresh memory
+  SANITIZE_MATCH=text    only the cases whose name contains text, e.g. "persistent"
 
 Exits 1 when a result is wrong or a case raised.
 """
@@ -35,7 +37,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]  # this checkout's cupymoe, and 
 import cupy  # noqa: E402
 
 import cupymoe  # noqa: E402
-from cupymoe import reference  # noqa: E402
+from cupymoe import _compile, reference  # noqa: E402
+from cupymoe import experts as experts_module  # noqa: E402
 from helpers import BF16, poison, random_problem, rel_l2  # noqa: E402
 
 FP16 = np.dtype(np.float16)
@@ -43,6 +46,7 @@ REF_TOL = 3e-3  # vs the NumPy reference: only the fp32 summation order differs
 SMALL_TOKENS = (0, 1, 3, 64, 257)
 SMALL_EXPERTS_TOP_K = ((8, 1), (8, 2), (8, 8), (64, 1), (64, 2), (64, 8))
 SMALL_WIDTH = 128  # H = I
+PLAN_HIDDEN, PLAN_INTER = 512, 256  # the persistent kernel's tiles divide both GEMMs
 BENCH_HIDDEN, BENCH_EXPERTS, BENCH_INTER, BENCH_TOP_K = 4096, 256, 1024, 8
 BENCH_TOKENS = (1, 4, 64, 512)
 ZIPF_EXPONENT = 1.2  # expert popularity ~ 1 / rank^s
@@ -85,6 +89,17 @@ def forward_case(problem, check_ids=True):
     expect_close("MoE", layer(gx, gids, gweights, check_ids=check_ids), want)
     expect_close("MoE out=", layer(gx, gids, gweights, out=poison(cupy.empty_like(gx)), check_ids=False), want)
     expect_same_dispatch(gids, ids, w13.shape[0], check_ids)
+
+
+def plan_case(chosen, problem):
+    """forward_case with the tile plan ``chosen``, whatever T would pick."""
+    fitted = experts_module.fitted(chosen, PLAN_HIDDEN, PLAN_INTER, _compile.shared_memory_limit(cupy.cuda.Device().id))
+    heuristic = experts_module.plan
+    experts_module.plan = lambda *args: fitted
+    try:
+        forward_case(problem)
+    finally:
+        experts_module.plan = heuristic
 
 
 def route_case(logits, top_k):
@@ -136,6 +151,16 @@ def small_cases():
                                       (256, 128, FP16, "fp16")):
         problem = random_problem(np.random.default_rng([hidden, inter]), 257, hidden, 8, inter, 2, dtype)
         yield f"forward {tag} H={hidden} I={inter} T=257 E=8 k=2", forward_case, (problem,)
+
+    if _compile.compute_capability(cupy.cuda.Device().id) == 90:
+        for index, chosen in enumerate(experts_module.PLANS):
+            if chosen.gate_up.kernel != experts_module.PERSISTENT:
+                continue
+            for tokens, routing in ((4000, "uniform"), (301, "sparse")):  # ~1000 rows per expert; a few
+                problem = random_problem(np.random.default_rng([tokens, index]), tokens, PLAN_HIDDEN, 8,
+                                         PLAN_INTER, 2, routing=routing)
+                yield (f"forward persistent plan {index} (block_m {chosen.gate_up.block_m}) T={tokens} "
+                       f"{routing}"), plan_case, (chosen, problem)
 
     for dtype, tag in ((np.dtype(np.float32), "f32"), (BF16, "bf16"), (FP16, "f16")):
         for tokens in SMALL_TOKENS:
@@ -234,18 +259,24 @@ def main():
     print(f"cupymoe {cupymoe.__version__}, CuPy {cupy.__version__}, {props['name'].decode()}", flush=True)
     failures = []
     count = 0
+    match = os.environ.get("SANITIZE_MATCH", "")
     for name, function, args in small_cases() if os.environ.get("SANITIZE_SMALL") != "0" else ():
+        if match not in name:
+            continue
         run(name, function, args, failures)
         count += 1
     if os.environ.get("SANITIZE_QUICK") != "1":
         tokens_list = [int(t) for t in os.environ.get("SANITIZE_REF_T", ",".join(map(str, BENCH_TOKENS))).split(",")]
-        start = time.perf_counter()
-        layer = cupymoe.MoE(*bench_weights())
-        print(f"benchmark weights: {time.perf_counter() - start:.1f} s", flush=True)
-        for tokens in tokens_list:
-            for routing in ("uniform", "zipf"):
-                run(f"benchmark T={tokens} {routing}", bench_case, (layer, tokens, routing), failures)
-                count += 1
+        bench = [(f"benchmark T={tokens} {routing}", tokens, routing)
+                 for tokens in tokens_list for routing in ("uniform", "zipf")]
+        bench = [case for case in bench if match in case[0]]
+        if bench:
+            start = time.perf_counter()
+            layer = cupymoe.MoE(*bench_weights())
+            print(f"benchmark weights: {time.perf_counter() - start:.1f} s", flush=True)
+        for name, tokens, routing in bench:
+            run(name, bench_case, (layer, tokens, routing), failures)
+            count += 1
     print(f"sanitize_cases: {count} cases, {len(failures)} failed", flush=True)
     for name in failures:
         print(f"  failed: {name}")

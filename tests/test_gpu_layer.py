@@ -304,9 +304,12 @@ def test_every_plan_matches_reference(tokens, routing, plan_index, monkeypatch):
 @pytest.mark.parametrize("plan_index", [i for i, p in enumerate(experts_module.PLANS)
                                         if max(p.gate_up.k_group, p.down.k_group) > 1])
 @pytest.mark.parametrize("tokens,routing", [(37, "sparse"), (300, "uniform")])
-def test_two_k_tile_stages_with_an_odd_k(tokens, routing, plan_index, monkeypatch):
-    """H = 320 and I = 192 are 5 and 3 K-tiles: the last stage of two K-tiles holds one."""
-    check_plan(experts_module.PLANS[plan_index], 320, 192, tokens, routing, [tokens, plan_index, 1], monkeypatch)
+@pytest.mark.parametrize("hidden,inter", [(320, 192), (320, 256), (512, 192)])
+def test_two_k_tile_stages_with_an_odd_k(tokens, routing, hidden, inter, plan_index, monkeypatch):
+    """H = 320 and I = 192 are 5 and 3 K-tiles: the last stage of two K-tiles holds one. The persistent
+    kernel's tiles divide I = 256 (gate/up) and H = 512 (down) only, so each runs one GEMM there."""
+    check_plan(experts_module.PLANS[plan_index], hidden, inter, tokens, routing, [tokens, plan_index, hidden, inter],
+               monkeypatch)
 
 
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])

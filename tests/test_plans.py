@@ -25,6 +25,7 @@ def test_configs_fit_the_problem_and_the_gpu(cc, hidden, inter, p):
         assert cfg.stages >= 2
         assert cfg.kernel != experts.PERSISTENT or cc == experts.WGMMA_COMPUTE_CAPABILITY
         assert cfg.threads <= 1024
+        assert cfg.kernel != experts.PERSISTENT or cfg.k_group == 1 or cfg.stages % 2 == 0
 
 
 @pytest.mark.parametrize("cc", [80, 90])
@@ -44,6 +45,15 @@ def test_small_shared_memory_cuts_stages_only():
     assert roomy.gate_up.shared_bytes(True) > SHARED_LIMITS[86]
     assert tight.gate_up.stages < roomy.gate_up.stages
     assert (tight.gate_up.block_m, tight.gate_up.block_n) == (roomy.gate_up.block_m, roomy.gate_up.block_n)
+
+
+def test_persistent_stages_of_two_k_tiles_are_cut_in_pairs():
+    """Its consumers take alternate stages, so each keeps its own only in an even ring."""
+    cfg = experts._PERSISTENT_64.gate_up
+    assert (cfg.kernel, cfg.k_group, cfg.stages) == (experts.PERSISTENT, 2, 4)
+    three = dataclasses.replace(cfg, stages=3).shared_bytes(True)
+    assert experts._fit_shared(cfg, True, three).stages == 2
+    assert experts._fit_shared(cfg, True, cfg.shared_bytes(True)).stages == 4
 
 
 def test_narrow_gate_up_tiles_up_to_two_rows_per_expert():

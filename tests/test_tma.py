@@ -58,6 +58,21 @@ def test_promotion_is_asked_for_and_keys_the_cache(fake):
     assert [call["modes"][2] for call in fake.calls] == [_tma._L2_PROMOTION_256B, 0]
 
 
+class FakeWeights:
+    """What weight_rows_map reads of a CuPy array."""
+
+    def __init__(self, address, shape):
+        self.data = type("Pointer", (), {"ptr": address})()
+        self.shape, self.size = shape, int(np.prod(shape))
+
+
+def test_two_k_tile_stages_take_64_row_boxes_without_promotion(fake):
+    _tma.weight_rows_map(FakeWeights(0x10000, (8, 512, 256)), 2)
+    call, = fake.calls
+    assert call["dims"] == [256, 8 * 512] and call["box"] == [64, 64]
+    assert call["modes"][2] == _tma._L2_PROMOTION_NONE
+
+
 def test_driver_error_names_the_request(fake):
     fake.status = 1
     with pytest.raises(RuntimeError, match=r"CUresult 1 for 512 rows of 256 16-bit values at 0x30000"):
