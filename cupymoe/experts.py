@@ -92,10 +92,13 @@ class Plan:
         return ((own, -1),) if other in (None, own) else ((own, 0), (other, 1))
 
 
-def _persistent_plan(block_m: int, stages: int, k_group: int = 1) -> Plan:
+def _persistent(block_m: int, gated: bool, stages: int, k_group: int = 1) -> GemmConfig:
     """expert_gemm_ws: 256 weight rows per tile, so gate/up 128 columns (of gate and of up), down 256."""
-    return Plan(GemmConfig(block_m, 128, 8, 1, stages, k_group, kernel=PERSISTENT),
-                GemmConfig(block_m, 256, 8, 1, stages, k_group, kernel=PERSISTENT))
+    return GemmConfig(block_m, 128 if gated else 256, 8, 1, stages, k_group, kernel=PERSISTENT)
+
+
+def _persistent_plan(block_m: int, stages: int) -> Plan:
+    return Plan(_persistent(block_m, True, stages), _persistent(block_m, False, stages))
 
 
 # Up to SLOT_SLOTS routed slots, the TINY plan's tiles without a dispatch: the block of each expert's
@@ -107,14 +110,15 @@ def _persistent_plan(block_m: int, stages: int, k_group: int = 1) -> Plan:
 # count (the MMA's N) the smallest that holds most experts whole (NOTES.md, v7), and beyond 80
 # rows 160, which holds experts of 128 whole and splits 256 in two (v8); elsewhere, mma.sync tiles
 # of 32 to 128 rows. The two smallest, which stream the weights, take two K-tiles per stage (v12),
-# and so does the 64-slot persistent plan, each stage half its weight rows (v22-v23).
+# and so does the 64-slot persistent plan's gate/up, each stage half its weight rows; its down,
+# with fewer K-tiles, gained nothing from that (v22-v23).
 _TINY = Plan(GemmConfig(16, 32, 1, 2, 4, 2), GemmConfig(16, 128, 1, 4, 3, 2))
 _SLOT = Plan(replace(_TINY.gate_up, kernel=SLOT), replace(_TINY.down, kernel=SLOT))
 _SMALL = Plan(GemmConfig(16, 64, 1, 4, 3, 2), GemmConfig(16, 64, 1, 4, 3, 2))
 _MEDIUM_32 = Plan(GemmConfig(32, 64, 2, 2, 5), GemmConfig(32, 128, 1, 4, 5))
 _MEDIUM = Plan(GemmConfig(64, 64, 2, 2, 4), GemmConfig(64, 128, 2, 2, 4))
 _LARGE = Plan(GemmConfig(128, 64, 4, 2, 3), GemmConfig(128, 128, 4, 2, 3))
-_PERSISTENT_64 = _persistent_plan(64, 4, 2)
+_PERSISTENT_64 = Plan(_persistent(64, True, 4, k_group=2), _persistent(64, False, 5))
 _PERSISTENT_96 = _persistent_plan(96, 4)
 _PERSISTENT_160 = _persistent_plan(160, 4)
 PLANS = (_SLOT, _TINY, _SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT_64, _PERSISTENT_96, _PERSISTENT_160)

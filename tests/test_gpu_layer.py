@@ -307,7 +307,8 @@ def test_every_plan_matches_reference(tokens, routing, plan_index, monkeypatch):
 @pytest.mark.parametrize("hidden,inter", [(320, 192), (320, 256), (512, 192)])
 def test_two_k_tile_stages_with_an_odd_k(tokens, routing, hidden, inter, plan_index, monkeypatch):
     """H = 320 and I = 192 are 5 and 3 K-tiles: the last stage of two K-tiles holds one. The persistent
-    kernel's tiles divide I = 256 (gate/up) and H = 512 (down) only, so each runs one GEMM there."""
+    kernel's tiles divide I = 256 (gate/up, K = H = 320) and H = 512 (down) only, so each runs one GEMM
+    there."""
     check_plan(experts_module.PLANS[plan_index], hidden, inter, tokens, routing, [tokens, plan_index, hidden, inter],
                monkeypatch)
 
