@@ -105,8 +105,8 @@ def _persistent_plan(block_m: int, stages: int) -> Plan:
 # first slot finds the expert's other slots itself (NOTES.md, v19, v20).
 # Beyond, by the average number of slots per expert that has any. At one or two rows, narrow mma.sync
 # gate/up tiles spread the weights over the most blocks (NOTES.md, v6), and down tiles of 128
-# columns put T=1's eight experts in one wave of two blocks per SM (v18); up to a dozen, 16-row
-# tiles. Beyond, on Hopper, the persistent wgmma kernel streams the weights by TMA, its slot
+# columns put T=1's eight experts in one wave of two blocks per SM (v18); up to a dozen (on Hopper
+# nine, v23), 16-row tiles. Beyond, on Hopper, the persistent wgmma kernel streams the weights by TMA, its slot
 # count (the MMA's N) the smallest that holds most experts whole (NOTES.md, v7), and beyond 80
 # rows 160, which holds experts of 128 whole and splits 256 in two (v8); elsewhere, mma.sync tiles
 # of 32 to 128 rows. The two smallest, which stream the weights, take two K-tiles per stage (v12),
@@ -125,6 +125,7 @@ PLANS = (_SLOT, _TINY, _SMALL, _MEDIUM_32, _MEDIUM, _LARGE, _PERSISTENT_64, _PER
 SLOT_SLOTS = 128  # up to this many routed slots (where TINY's tiles fit), slot_gemm
 TINY_ROWS = 2  # beyond, a skewed routing's busy experts favour the wider tiles
 SMALL_ROWS = 12
+SMALL_ROWS_SM90 = 9  # where the 64-slot persistent plan takes over (NOTES.md, v23)
 # From this many rows per expert on sm_90 the 160-slot plan stands by for skewed routing: when one
 # expert holds SKEW_CHUNKS chunks of the plan T chose, the busy experts' few long chunks beat many
 # short ones (NOTES.md, v17).
@@ -165,7 +166,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     sm90 = compute_capability == WGMMA_COMPUTE_CAPABILITY
     if rows_per_expert <= TINY_ROWS:
         chosen = _SLOT if slots <= SLOT_SLOTS else _TINY
-    elif rows_per_expert <= SMALL_ROWS:
+    elif rows_per_expert <= (SMALL_ROWS_SM90 if sm90 else SMALL_ROWS):
         chosen = _SMALL
     elif sm90 and rows_per_expert <= PERSISTENT_64_ROWS:
         chosen = _PERSISTENT_64

@@ -78,12 +78,14 @@ def test_few_slots_go_by_slot_with_the_tiny_tiles(cc):
         assert dataclasses.replace(got, kernel=experts.MMA) == want
 
 
-def test_persistent_kernel_above_12_rows_per_expert_on_sm90():
-    """Its slot count (the MMA's N) grows with the rows per expert: 64, then 96, then 160."""
+def test_persistent_kernel_above_9_rows_per_expert_on_sm90():
+    """Its slot count (the MMA's N) grows with the rows per expert: 64, then 96, then 160. Elsewhere
+    16-row mma.sync tiles go on to 12 rows."""
     def gate_up(tokens, cc=90):
         return experts.plan(tokens, 8, 256, 4096, 1024, cc, SHARED_LIMITS[cc]).gate_up
-    assert gate_up(384).kernel == experts.MMA
-    assert (gate_up(385).kernel, gate_up(385).block_m) == (experts.PERSISTENT, 64)
+    assert (gate_up(288).kernel, gate_up(288).block_m) == (experts.MMA, 16)
+    assert (gate_up(289).kernel, gate_up(289).block_m) == (experts.PERSISTENT, 64)
+    assert (gate_up(384, cc=80).block_m, gate_up(385, cc=80).block_m) == (16, 32)
     assert gate_up(1536).block_m == 64
     assert gate_up(1537).block_m == 96
     assert gate_up(2560).block_m == 96
