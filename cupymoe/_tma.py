@@ -1,9 +1,10 @@
 """TMA tensor maps of the expert weights, encoded by the CUDA driver (libcuda) through ctypes.
 
-A map describes a weight array as [rows, K] of 16-bit values, read in boxes of 128 rows by 64
-columns (128 bytes) into 128-byte-swizzled shared memory: the layout of one stage of the weight
-tile in ``kernels_cu/expert_gemm_ws.cu`` (its BOX_ROWS and BK). It is passed by value as a
-``__grid_constant__`` kernel parameter, so CUDA graphs capture it with the launch.
+A map describes a weight array as [rows, K] of 16-bit values, read in boxes of 128 rows (64 for
+stages of two K-tiles) by 64 columns (128 bytes) into 128-byte-swizzled shared memory: the layout
+of one stage of the weight tile in ``kernels_cu/expert_gemm_ws.cu`` (its BOX_ROWS and BK). It is
+passed by value as a ``__grid_constant__`` kernel parameter, so CUDA graphs capture it with the
+launch.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import functools
 import numpy as np
 
 BOX_ROWS = 128
+HALF_BOX_ROWS = 64  # stages of two K-tiles: one m64 block of a consumer (the kernel's BLOCK_ROWS)
 BOX_COLUMNS = 64
 # Enumerators of cuda.h's CUtensorMap* types.
 _DATA_UINT16 = 1  # bf16 and fp16 are copied as bits
@@ -59,4 +61,4 @@ def weight_rows_map(w, k_group: int = 1) -> np.void:
     columns = w.shape[-1]
     if k_group == 1:
         return _rows_map(w.data.ptr, w.size // columns, columns)
-    return _rows_map(w.data.ptr, w.size // columns, columns, _L2_PROMOTION_NONE, 64)
+    return _rows_map(w.data.ptr, w.size // columns, columns, _L2_PROMOTION_NONE, HALF_BOX_ROWS)

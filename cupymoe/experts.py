@@ -106,10 +106,10 @@ def _persistent_plan(block_m: int, stages: int) -> Plan:
 # Beyond, by the average number of slots per expert that has any. At one or two rows, narrow mma.sync
 # gate/up tiles spread the weights over the most blocks (NOTES.md, v6), and down tiles of 128
 # columns put T=1's eight experts in one wave of two blocks per SM (v18); up to a dozen (on Hopper
-# nine, v23), 16-row tiles. Beyond, on Hopper, the persistent wgmma kernel streams the weights by TMA, its slot
-# count (the MMA's N) the smallest that holds most experts whole (NOTES.md, v7), and beyond 80
-# rows 160, which holds experts of 128 whole and splits 256 in two (v8); elsewhere, mma.sync tiles
-# of 32 to 128 rows. The two smallest, which stream the weights, take two K-tiles per stage (v12),
+# nine, v23), 16-row tiles. Beyond, on Hopper, the persistent wgmma kernel streams the weights by
+# TMA, its slot count (the MMA's N) the smallest that holds most experts whole (NOTES.md, v7), and
+# beyond 80 rows 160, which holds experts of 128 whole and splits 256 in two (v8); elsewhere,
+# mma.sync tiles of 32 to 128 rows. The two smallest, which stream the weights, take two K-tiles per stage (v12),
 # and so does the 64-slot persistent plan's gate/up, each stage half its weight rows; its down,
 # with fewer K-tiles, gained nothing from that (v22-v23).
 _TINY = Plan(GemmConfig(16, 32, 1, 2, 4, 2), GemmConfig(16, 128, 1, 4, 3, 2))
