@@ -85,6 +85,13 @@ def multiprocessors(device_id: int) -> int:
     return device_attribute(device_id, "MultiProcessorCount")
 
 
+def resident_blocks(kernel, threads: int, shared_bytes: int) -> int:
+    """How many blocks of ``kernel`` (a ``cupy.RawKernel``) one multiprocessor holds at once."""
+    from cupy_backends.cuda.api import driver
+
+    return driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads, shared_bytes)
+
+
 def shared_memory_limit(device_id: int) -> int:
     """The most dynamic shared memory one block may opt in to, in bytes."""
     return device_attribute(device_id, "MaxSharedMemoryPerBlockOptin")

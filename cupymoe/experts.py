@@ -227,6 +227,16 @@ def _compiled(cfg: GemmConfig, gated: bool, dtype, device_id: int, id_type: str 
     return kernel
 
 
+@functools.lru_cache(maxsize=None)
+def _one_wave(cfg: GemmConfig, gated: bool, dtype, device_id: int) -> int:
+    """How many blocks of an expert_gemm config the GPU runs at once. A plan that stands by is
+    launched with no more, so when the dispatch takes the other one, about 30,000 fewer blocks
+    start only to exit (NOTES.md, v24)."""
+    kernel = _compiled(cfg, gated, dtype, device_id)
+    per_sm = _compile.resident_blocks(kernel, cfg.threads, cfg.shared_bytes(gated))
+    return max(1, per_sm) * _compile.multiprocessors(device_id)
+
+
 def _launch(cfg: GemmConfig, plan_index: int, gated: bool, dtype, device_id: int, a, sorted_slots, top_k,
             w, offsets, tile_offsets, experts, n_out, k_dim, c, slots):
     kernel = _compiled(cfg, gated, dtype, device_id)
@@ -234,6 +244,8 @@ def _launch(cfg: GemmConfig, plan_index: int, gated: bool, dtype, device_id: int
     if cfg.kernel == PERSISTENT:
         grid = min(grid, _compile.multiprocessors(device_id))  # one block per SM claims tiles
         w = _tma.weight_rows_map(w, cfg.k_group)  # the weight tiles come by TMA
+    elif plan_index >= 0:  # the dispatch may choose the other plan: one wave, claiming the tiles
+        grid = min(grid, _one_wave(cfg, gated, dtype, device_id))
     kernel((grid,), (cfg.threads,),
            (a, sorted_slots, np.int32(top_k), w, offsets, tile_offsets, np.int32(plan_index),
             np.int32(experts), np.int32(n_out), np.int32(k_dim), c),

@@ -119,8 +119,9 @@ __device__ bool routing_skewed(const int* offsets, int num_experts, int skew_row
 }
 
 // Writes m-tile counts per expert for the chosen plan, then scans them: tiles[e] = first tile of
-// e, tiles[E] = all m-tiles. tiles[E + 1] is zeroed (the persistent GEMM's tile counter), and
-// tiles[E + 2] says which plan's kernels work (0: the host's own, 1: the skewed one).
+// e, tiles[E] = all m-tiles. tiles[E + 1] is zeroed (the tile counter of the persistent GEMM, and
+// of expert_gemm from a grid smaller than its tiles), and tiles[E + 2] says which plan's kernels
+// work (0: the host's own, 1: the skewed one).
 __device__ void tile_map(const int* offsets, int num_experts, const TileMap& map, bool skewed, int* warp_sums) {
   const int block_m = skewed ? map.skewed_block_m : map.block_m;
   for (int e = threadIdx.x; e <= num_experts + 2; e += blockDim.x)

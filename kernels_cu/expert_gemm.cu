@@ -5,7 +5,10 @@
 // a few percent slower); fragments come from shared memory by ldmatrix.
 // GATED blocks keep gate and up accumulators for the same columns and write h = silu(gate) * up.
 // Two kernels compute such tiles:
-//   expert_gemm: one tile of the dispatch's m-tile map per block.
+//   expert_gemm: the tiles of the dispatch's m-tile map, one per block from a grid of all tiles;
+//                from a smaller grid (one wave, for a launch that may not be the dispatch's choice,
+//                so that it costs little when it is not) block b takes tile b, then claims more from
+//                the map's counter, as the persistent kernel does.
 //   slot_gemm:   for a few slots, without a dispatch: one block per routed slot (and n-tile); the
 //                block of an expert's first slot, and of every BM-th after it, finds the expert's
 //                next BM slots itself and computes them, as the dispatch would have grouped them.
@@ -114,18 +117,28 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
   }
 }
 
+// Shared memory bounds the occupancy of both kernels; without the 1, ptxas holds them to fewer
+// registers and spills.
 template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED>
-__global__ void __launch_bounds__(WM * WN * 32)
+__global__ void __launch_bounds__(WM * WN * 32, 1)
 expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
             const u16* __restrict__ w, const int* __restrict__ offsets,
-            const int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
+            int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
             u16* __restrict__ c) {
-  Tile tile;
   if (!plan_chosen(tile_offsets, num_experts, plan)) return;
-  if (!find_tile<BM, BN>(blockIdx.x, offsets, tile_offsets, num_experts, n_out, tile)) return;
-  // down's rows of h are its tiles' positions
-  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, false>(tile, a, GATED ? sorted_slots : nullptr, top_k, w,
-                                                         n_out, k_dim, c);
+  const bool one_each = gridDim.x >= tile_offsets[num_experts] * (n_out / BN);
+  __shared__ int claimed;
+  for (int work = blockIdx.x;;) {
+    Tile tile;
+    if (!find_tile<BM, BN>(work, offsets, tile_offsets, num_experts, n_out, tile)) return;
+    // down's rows of h are its tiles' positions
+    gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, false>(tile, a, GATED ? sorted_slots : nullptr, top_k, w,
+                                                           n_out, k_dim, c);
+    if (one_each) return;
+    if (threadIdx.x == 0) claimed = gridDim.x + atomicAdd(tile_offsets + num_experts + 1, 1);
+    __syncthreads();  // also: every warp is done with this tile's stages before the next one's loads
+    work = claimed;
+  }
 }
 
 // If ``slot`` starts one of ``expert``'s tiles (the expert's slots in slot order, BM per tile, as the
@@ -149,7 +162,6 @@ __device__ __forceinline__ int tile_slots(const IdT* __restrict__ ids, int num_s
   return min(count, BM);
 }
 
-// Shared memory bounds its occupancy; without the 1, ptxas holds it to fewer registers and spills.
 template <class T, class IdT, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED>
 __global__ void __launch_bounds__(WM * WN * 32, 1)
 slot_gemm(const u16* __restrict__ a, const IdT* __restrict__ ids, int num_slots, int top_k,

@@ -7,8 +7,9 @@ short because each tool slows kernels 10-100x:
 - small shapes: T in {0, 1, 3, 64, 257}, E in {8, 64}, k in {1, 2, 8}, H = I = 128, bf16 and
   fp16; then -1 ids, every slot on one expert, experts without tokens, one expert with all of
   them, unchecked out-of-range ids and other widths; on sm_90, each persistent plan forced where
-  every block takes many tiles. fused_experts, MoE (with and without out=),
-  dispatch and route are compared with the NumPy backend, so the kernels surely ran.
+  every block takes many tiles, and the 16-row tiles standing by for the 160-slot plan on 3
+  blocks. fused_experts, MoE (with and without out=), dispatch and route are compared with the
+  NumPy backend, so the kernels surely ran.
 - the benchmark's reference workload: H = 4096, E = 256, I = 1024, k = 8 with full-size weights
   (6 GiB, drawn on the host) at T in {1, 4, 64, 512}, uniform and Zipf routing, routed by
   cupymoe.route; the first and last tokens' rows are compared with the NumPy reference.
@@ -27,6 +28,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -91,15 +93,18 @@ def forward_case(problem, check_ids=True):
     expect_same_dispatch(gids, ids, w13.shape[0], check_ids)
 
 
-def plan_case(chosen, problem):
-    """forward_case with the tile plan ``chosen``, whatever T would pick."""
+def plan_case(chosen, problem, one_wave=None):
+    """forward_case with the tile plan ``chosen``, whatever T would pick; a plan standing by for
+    skewed routing launches ``one_wave`` blocks if given (each claiming many tiles)."""
     fitted = experts_module.fitted(chosen, PLAN_HIDDEN, PLAN_INTER, _compile.shared_memory_limit(cupy.cuda.Device().id))
-    heuristic = experts_module.plan
+    heuristic, wave = experts_module.plan, experts_module._one_wave
     experts_module.plan = lambda *args: fitted
+    if one_wave is not None:
+        experts_module._one_wave = lambda *args: one_wave
     try:
         forward_case(problem)
     finally:
-        experts_module.plan = heuristic
+        experts_module.plan, experts_module._one_wave = heuristic, wave
 
 
 def route_case(logits, top_k):
@@ -161,6 +166,11 @@ def small_cases():
                                          PLAN_INTER, 2, routing=routing)
                 yield (f"forward persistent plan {index} (block_m {chosen.gate_up.block_m}) T={tokens} "
                        f"{routing}"), plan_case, (chosen, problem)
+        standby = replace(experts_module._SMALL, skewed=experts_module._PERSISTENT_160)
+        for routing in ("uniform", "one"):  # under 64 rows per expert the 16-row tiles run, else the 160-slot plan
+            problem = random_problem(np.random.default_rng([150, routing == "one"]), 150, PLAN_HIDDEN, 8,
+                                     PLAN_INTER, 2, routing=routing)
+            yield f"forward standby 16-row plan on 3 blocks T=150 {routing}", plan_case, (standby, problem, 3)
 
     for dtype, tag in ((np.dtype(np.float32), "f32"), (BF16, "bf16"), (FP16, "f16")):
         for tokens in SMALL_TOKENS:

@@ -368,6 +368,31 @@ def test_experts_of_every_size_give_the_same_bits_on_every_plan(monkeypatch):
         np.testing.assert_array_equal(got, bits[0], err_msg=f"plan {index} against plan 0")
 
 
+@pytest.mark.parametrize("blocks", [None, 3])
+@pytest.mark.parametrize("routing", ["uniform", "one"])
+def test_a_standby_plan_claims_its_tiles(routing, blocks, monkeypatch):
+    """T = 256, E = 64, k = 2 (8 rows per expert): the 16-row tiles, with the 160-slot plan standing
+    by, run from a grid of one wave (or of 3 blocks, each claiming many tiles). Whichever plan the
+    dispatch takes, the bits are those of the 16-row tiles alone, one tile per block."""
+    if _compile.compute_capability(cupy.cuda.Device().id) != 90:
+        pytest.skip("plans stand by on sm_90 only")
+    if blocks is not None:
+        monkeypatch.setattr(experts_module, "_one_wave", lambda *args: blocks)
+    hidden, inter = SIZES[64]
+    problem = random_problem(np.random.default_rng([256, routing == "one"]), 256, hidden, 64, inter, 2,
+                             routing=routing)
+    args = to_gpu(*problem)
+    layer = cupymoe.MoE(args[1], args[2])
+    got = layer(args[0], args[3], args[4], out=poison(cupy.empty(args[0].shape, args[0].dtype)))
+    workspace = layer._workspaces[(256, 2)][0]
+    assert workspace.plan.gate_up.kernel == experts_module.MMA and workspace.plan.skewed is not None
+    assert int(workspace.dispatch.tiles_down[-1]) == (routing == "one")  # the plan the dispatch chose
+    check_close(got, problem)
+    alone = dataclasses.replace(workspace.plan, skewed=None)
+    monkeypatch.setattr(experts_module, "plan", lambda *args: alone)
+    np.testing.assert_array_equal(host_bits(run_fused(problem, args)), host_bits(got))
+
+
 @pytest.mark.parametrize("tokens", [320, 2500])  # one-block and three-kernel dispatch
 @pytest.mark.parametrize("routing", ["uniform", "one"])
 def test_skewed_routing_takes_the_skewed_plan(tokens, routing, monkeypatch):
