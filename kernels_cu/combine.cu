@@ -1,25 +1,47 @@
 // Combine: out[t] = sum_{j=0..k-1} weight[t, j] * y[position of slot (t, j)], in that order, in fp32.
-// One block per token; each thread owns 8 consecutive columns (16-byte loads and stores). No atomics,
-// so the result is bitwise reproducible.
+// One block per token; each thread owns 8 consecutive columns (16-byte loads and stores). It loads
+// its pieces of IN_FLIGHT slots at a time, all before adding any, so that those reads overlap. No
+// atomics, so the result is bitwise reproducible.
 #include "common.cuh"
+
+constexpr int IN_FLIGHT = 8;
+
+// 16 bytes from global memory if ``valid``, else zeros without a read: a predicated load, so that
+// no branch separates a thread's loads.
+__device__ __forceinline__ uint4 load_16_if(const void* src, bool valid) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  asm("{\n .reg .pred p;\n setp.ne.u32 p, %5, 0;\n @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "l"(src), "r"(u32(valid)));
+  return v;
+}
 
 template <class T>
 __global__ void combine(const u16* __restrict__ y, const int* __restrict__ slot_positions,
                         const float* __restrict__ weights, int top_k, int hidden, u16* __restrict__ out) {
   using F = Float16Traits<T>;
   const long long token = blockIdx.x;
+  const int* positions = slot_positions + token * top_k;
+  const float* token_weights = weights + token * top_k;
   for (int col = threadIdx.x * 8; col < hidden; col += blockDim.x * 8) {
     float acc[8] = {};
-    for (int j = 0; j < top_k; ++j) {
-      const int pos = slot_positions[token * top_k + j];
-      if (pos < 0) continue;
-      const float weight = weights[token * top_k + j];
-      const uint4 v = *reinterpret_cast<const uint4*>(y + (long long)pos * hidden + col);
-      const u32 words[4] = {v.x, v.y, v.z, v.w};
+    for (int j0 = 0; j0 < top_k; j0 += IN_FLIGHT) {
+      int pos[IN_FLIGHT];
+      uint4 v[IN_FLIGHT];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        acc[2 * i] += weight * F::to_float(u16(words[i] & 0xffffu));
-        acc[2 * i + 1] += weight * F::to_float(u16(words[i] >> 16));
+      for (int j = 0; j < IN_FLIGHT; ++j) pos[j] = j0 + j < top_k ? positions[j0 + j] : -1;
+#pragma unroll
+      for (int j = 0; j < IN_FLIGHT; ++j)
+        v[j] = load_16_if(y + (long long)max(pos[j], 0) * hidden + col, pos[j] >= 0);
+#pragma unroll
+      for (int j = 0; j < IN_FLIGHT; ++j) {
+        if (pos[j] < 0) continue;
+        const float weight = token_weights[j0 + j];
+        const u32 words[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[2 * i] += weight * F::to_float(u16(words[i] & 0xffffu));
+          acc[2 * i + 1] += weight * F::to_float(u16(words[i] >> 16));
+        }
       }
     }
     uint4 packed;
