@@ -137,6 +137,9 @@ PERSISTENT_64_ROWS = 48
 PERSISTENT_96_ROWS = 80
 # Opt-in shared memory per block on sm_86, sm_89 and sm_120; sm_80 has 163 KiB, sm_90 227 KiB.
 SHARED_LIMIT_SMALLEST = 99 * 1024
+# What the GEMM kernels declare in shared memory themselves (a claimed tile, a stage's tile),
+# beyond shared_bytes(); tests/test_compile.py holds ptxas's count to it.
+STATIC_SHARED_BYTES = 128
 
 
 def _fit(cfg: GemmConfig, fallback: GemmConfig, n_out: int) -> GemmConfig:
@@ -149,10 +152,11 @@ def _fit(cfg: GemmConfig, fallback: GemmConfig, n_out: int) -> GemmConfig:
 
 
 def _fit_shared(cfg: GemmConfig, gated: bool, limit: int) -> GemmConfig:
-    """cfg with its pipeline cut (to 2 stages at the least) until it fits ``limit`` bytes. The
-    persistent kernel's consumers take alternate stages of two K-tiles, so those go in pairs."""
+    """cfg with its pipeline cut (to 2 stages at the least) until it fits ``limit`` bytes with the
+    kernel's static shared memory. The persistent kernel's consumers take alternate stages of two
+    K-tiles, so those go in pairs."""
     step = 2 if cfg.kernel == PERSISTENT and cfg.k_group == 2 else 1
-    while cfg.shared_bytes(gated) > limit and cfg.stages - step >= 2:
+    while cfg.shared_bytes(gated) + STATIC_SHARED_BYTES > limit and cfg.stages - step >= 2:
         cfg = replace(cfg, stages=cfg.stages - step)
     return cfg
 

@@ -21,7 +21,7 @@ def plans():
 def test_configs_fit_the_problem_and_the_gpu(cc, hidden, inter, p):
     for cfg, gated, n_out in ((p.gate_up, True, inter), (p.down, False, hidden)):
         assert n_out % cfg.block_n == 0
-        assert cfg.shared_bytes(gated) <= SHARED_LIMITS[cc]
+        assert cfg.shared_bytes(gated) + experts.STATIC_SHARED_BYTES <= SHARED_LIMITS[cc]
         assert cfg.stages >= 2
         assert cfg.kernel != experts.PERSISTENT or cc == experts.WGMMA_COMPUTE_CAPABILITY
         assert cfg.threads <= 1024
@@ -51,9 +51,10 @@ def test_persistent_stages_of_two_k_tiles_are_cut_in_pairs():
     """Its consumers take alternate stages, so each keeps its own only in an even ring."""
     cfg = experts._PERSISTENT_64.gate_up
     assert (cfg.kernel, cfg.k_group, cfg.stages) == (experts.PERSISTENT, 2, 4)
-    three = dataclasses.replace(cfg, stages=3).shared_bytes(True)
+    three = dataclasses.replace(cfg, stages=3).shared_bytes(True) + experts.STATIC_SHARED_BYTES
     assert experts._fit_shared(cfg, True, three).stages == 2
-    assert experts._fit_shared(cfg, True, cfg.shared_bytes(True)).stages == 4
+    assert experts._fit_shared(cfg, True, cfg.shared_bytes(True) + experts.STATIC_SHARED_BYTES).stages == 4
+    assert experts._fit_shared(cfg, True, cfg.shared_bytes(True)).stages == 2  # the kernel's own needs room too
 
 
 def test_narrow_gate_up_tiles_up_to_two_rows_per_expert():
