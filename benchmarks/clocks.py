@@ -1,7 +1,8 @@
 """The SM clock and board power while one workload runs back to back for a few seconds: a suite
-case's CUDA graph (`python benchmarks/clocks.py u8192`) or cuBLAS bf16 8192^3 (`... matmul`).
-`nvidia-smi` samples every 100 ms; the first five samples are dropped. Throttle reason 0x4 is the
-software power cap. NOTES.md v13 has the results: from u2048 up the layer runs at the power cap.
+case's CUDA graph (`python benchmarks/clocks.py u8192`), cuBLAS bf16 8192^3 (`... matmul`) or the
+suite's streaming read of 4 GiB (`... read`). `nvidia-smi` samples every 100 ms; the first five
+samples are dropped. Throttle reason 0x4 is the software power cap. NOTES.md has the results: from
+u2048 up the layer runs at the power cap (v13), and what a FLOP and a DRAM byte cost there (v25).
 """
 import subprocess
 import sys
@@ -19,14 +20,18 @@ SMI_QUERY = "--query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_re
 
 
 def workload(name, stream):
-    """A callable that enqueues one run of `name` on `stream`, and its FLOPs (None for a case)."""
+    """A callable that enqueues one run of `name` on `stream`, and what one run does: (FLOPs, None)
+    for the matmul, (None, bytes) for the read, (None, None) for a case."""
     import cupy
 
     if name == "matmul":
         n = bench.MATMUL_N  # the size of the suite's matmul ceiling probe
         a = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(bench.BF16)
         b = a.T.copy()
-        return (lambda: cupy.matmul(a, b)), 2 * n**3
+        return (lambda: cupy.matmul(a, b)), (2 * n**3, None)
+    if name == "read":  # the suite's probe at its smallest grid
+        read = bench.streaming_reads(cupy.cuda.Device().id)[bench.READ_BLOCKS_PER_SM[0]]
+        return read, (None, bench.READ_BYTES)
     model, cases = bench.load_suite(bench.DEFAULT_CASES)
     (case,) = [c for c in cases if c.id == name]
     x, ids, w = bench.make_case_inputs(case, model)
@@ -36,7 +41,7 @@ def workload(name, stream):
     stream.begin_capture()
     moe(*inputs, check_ids=False)
     graph = stream.end_capture()
-    return (lambda: graph.launch(stream)), None
+    return (lambda: graph.launch(stream)), (None, None)
 
 
 def main(name) -> int:
@@ -44,7 +49,7 @@ def main(name) -> int:
 
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        run, flop = workload(name, stream)
+        run, (flop, nbytes) = workload(name, stream)
         for _ in range(20):
             run()
         stream.synchronize()
@@ -66,7 +71,7 @@ def main(name) -> int:
     clock = np.median([float(s[0]) for s in samples])
     power = np.median([float(s[1]) for s in samples])
     reasons = sorted({s[3].strip() for s in samples})
-    rate = f", {flop / ms / 1e9:.0f} TFLOP/s" if flop else ""
+    rate = f", {flop / ms / 1e9:.0f} TFLOP/s" if flop else f", {nbytes / ms / 1e9:.2f} TB/s" if nbytes else ""
     print(f"{name}: {ms:.3f} ms per call{rate} | SM clock median {clock:.0f} MHz, power {power:.0f} W, "
           f"{samples[-1][2].strip()} C, throttle reasons {reasons}")
     return 0

@@ -182,8 +182,9 @@ def time_call(run, stream, flush, reps) -> float:
     return float(np.median(times[WARMUP:]))
 
 
-def read_bandwidth(stream, flush, device_id) -> float:
-    """Streaming-read bandwidth in bytes/s: the best grid size, median of READ_REPS reads of 4 GiB."""
+def streaming_reads(device_id) -> dict:
+    """For each grid size of READ_BLOCKS_PER_SM (blocks per SM), a callable that enqueues one
+    streaming read of a READ_BYTES buffer."""
     import cupy
 
     kernel = _compile.kernel("stream_read.cu", "stream_read", ("stream_read",), device_id)
@@ -191,10 +192,13 @@ def read_bandwidth(stream, flush, device_id) -> float:
     sink = cupy.zeros(1, cupy.uint64)
     sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
     args = (src, np.uint64(READ_BYTES // 16), sink)
-    best_ms = min(
-        time_call(functools.partial(kernel, (sms * per_sm,), (READ_BLOCK,), args), stream, flush, READ_REPS)
-        for per_sm in READ_BLOCKS_PER_SM
-    )
+    return {per_sm: functools.partial(kernel, (sms * per_sm,), (READ_BLOCK,), args) for per_sm in READ_BLOCKS_PER_SM}
+
+
+def read_bandwidth(stream, flush, device_id) -> float:
+    """Streaming-read bandwidth in bytes/s: the best grid size, median of READ_REPS reads of 4 GiB."""
+    reads = streaming_reads(device_id).values()
+    best_ms = min(time_call(read, stream, flush, READ_REPS) for read in reads)
     return READ_BYTES / (best_ms * 1e-3)
 
 
