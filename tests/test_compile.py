@@ -11,8 +11,9 @@ MODULES = [
     (_gpu_dispatch.SOURCE, _gpu_dispatch.NAMES),
     (combine.SOURCE, combine.NAMES),
     (_gpu_route.SOURCE, _gpu_route.NAMES),
-] + [(source, experts.name_expressions(source, dtype))
-     for source in experts.SOURCES.values() for dtype in (_checks.BFLOAT16, _checks.FLOAT16)]
+] + [(source, experts.name_expressions(source, dtype))  # each source once: CUDA 13's NVRTC logs
+     for source in dict.fromkeys(experts.SOURCES.values())  # nothing for a program it compiled already
+     for dtype in (_checks.BFLOAT16, _checks.FLOAT16)]
 
 
 def _small_shared_memory_names(dtype):
