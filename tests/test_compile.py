@@ -11,8 +11,8 @@ MODULES = [
     (_gpu_dispatch.SOURCE, _gpu_dispatch.NAMES),
     (combine.SOURCE, combine.NAMES),
     (_gpu_route.SOURCE, _gpu_route.NAMES),
-] + [(source, experts.name_expressions(source, dtype))  # each source once: CUDA 13's NVRTC logs
-     for source in dict.fromkeys(experts.SOURCES.values())  # nothing for a program it compiled already
+] + [(source, experts.name_expressions(source, dtype))  # each source once: compiled a second time
+     for source in dict.fromkeys(experts.SOURCES.values())  # in one process, CUDA 13's NVRTC gave an empty log
      for dtype in (_checks.BFLOAT16, _checks.FLOAT16)]
 
 
