@@ -111,7 +111,7 @@ def _persistent_plan(block_m: int, stages: int) -> Plan:
 # beyond 80 rows 160, which holds experts of 128 whole and splits 256 in two (v8); elsewhere,
 # mma.sync tiles of 32 to 128 rows. The two smallest, which stream the weights, take two K-tiles per stage (v12),
 # and so does the 64-slot persistent plan's gate/up, each stage half its weight rows; its down,
-# with fewer K-tiles, gained nothing from that (v22-v23).
+# with fewer K-tiles, gained nothing from that (v22-v23, measured while ptxas serialised those wgmmas).
 _TINY = Plan(GemmConfig(16, 32, 1, 2, 4, 2), GemmConfig(16, 128, 1, 4, 3, 2))
 _SLOT = Plan(replace(_TINY.gate_up, kernel=SLOT), replace(_TINY.down, kernel=SLOT))
 _SMALL = Plan(GemmConfig(16, 64, 1, 4, 3, 2), GemmConfig(16, 64, 1, 4, 3, 2))
