@@ -6,7 +6,7 @@ import pytest
 
 from cupymoe import _checks, _gpu_dispatch, experts
 
-SHARED_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 120: 99 * 1024}
+SHARED_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 TOKENS = (1, 4, 16, 64, 256, 512, 1024, 2048, 4096, 8192)
 SIZES = ((4096, 1024), (64, 64), (192, 320), (512, 64), (2048, 1408))  # (H, I), multiples of 64
 
@@ -28,9 +28,9 @@ def test_configs_fit_the_problem_and_the_gpu(cc, hidden, inter, p):
         assert cfg.kernel != experts.PERSISTENT or cfg.k_group == 1 or cfg.stages % 2 == 0
 
 
-@pytest.mark.parametrize("cc", [80, 90])
-def test_sm80_and_sm90_plans_are_precompiled(cc):
-    """What A100s and H100/H200s run is in name_expressions (compiled once, checked for spills)."""
+@pytest.mark.parametrize("cc", [80, 90, 100])
+def test_sm80_sm90_and_sm100_plans_are_precompiled(cc):
+    """What A100s, H100/H200s and B200s run is in name_expressions (compiled once, checked for spills)."""
     for tokens, (hidden, inter) in itertools.product(TOKENS, SIZES):
         p = experts.plan(tokens, 8, 256, hidden, inter, cc, SHARED_LIMITS[cc])
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
