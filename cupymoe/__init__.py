@@ -4,7 +4,8 @@ Public API: :func:`fused_experts`, :class:`MoE`, :func:`dispatch` (with :class:`
 and :func:`route`. GPU arrays (CuPy, or torch/JAX through DLPack) run the CUDA kernels;
 NumPy arrays run the NumPy reference with the same semantics and checks.
 """
-from .dispatch import Dispatch, dispatch
+from ._types import Dispatch
+from .dispatch import dispatch
 from .layer import MoE, fused_experts
 from .route import route
 

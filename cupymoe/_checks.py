@@ -4,17 +4,18 @@ Every public function calls into here once; the stages behind it trust what they
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import ml_dtypes
 import numpy as np
+
+from ._contract import K_TILE
+from ._types import Shape
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT16 = np.dtype(np.float16)
 FLOAT32 = np.dtype(np.float32)
 ACTIVATION_DTYPES = (BFLOAT16, FLOAT16)
 ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
-ALIGNMENT = 64  # H and I must be multiples of this (the kernels' K tile)
+SIZE_MULTIPLE = K_TILE  # H and I must be multiples of the kernels' K tile
 GPU_ALIGNMENT = 16  # bytes: where x, the weights and out must start on the GPU
 
 
@@ -107,18 +108,6 @@ def require_aligned(a, name: str) -> None:
         )
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The sizes of one MoE forward."""
-
-    tokens: int  # T
-    hidden: int  # H
-    experts: int  # E
-    intermediate: int  # I
-    top_k: int  # k
-    dtype: np.dtype  # activations, weights and output
-
-
 def check_weights(w13, w2) -> tuple[int, int, int, np.dtype]:
     """Validate the expert weights; return (E, I, H, dtype)."""
     check_array(w13, "w13", 3, ACTIVATION_DTYPES)
@@ -133,11 +122,11 @@ def check_weights(w13, w2) -> tuple[int, int, int, np.dtype]:
     if two_i % 2:
         raise ValueError(f"w13: expected an even dimension 1 (gate rows then up rows), got {two_i}")
     inter = two_i // 2
-    if hidden % ALIGNMENT or hidden == 0:
-        raise ValueError(f"w13: hidden size must be a positive multiple of {ALIGNMENT}, got {hidden}")
-    if inter % ALIGNMENT or inter == 0:
+    if hidden % SIZE_MULTIPLE or hidden == 0:
+        raise ValueError(f"w13: hidden size must be a positive multiple of {SIZE_MULTIPLE}, got {hidden}")
+    if inter % SIZE_MULTIPLE or inter == 0:
         raise ValueError(
-            f"w13: intermediate size must be a positive multiple of {ALIGNMENT}, got {inter}"
+            f"w13: intermediate size must be a positive multiple of {SIZE_MULTIPLE}, got {inter}"
         )
     if tuple(w2.shape) != (experts, hidden, inter):
         raise ValueError(f"w2: expected shape {(experts, hidden, inter)}, got {tuple(w2.shape)}")

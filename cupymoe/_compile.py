@@ -11,8 +11,10 @@ import re
 import threading
 from pathlib import Path
 
+from . import _contract
+
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
-BASE_OPTIONS = ("-std=c++17",)
+BASE_OPTIONS = ("-std=c++17",) + _contract.compile_options()
 MIN_COMPUTE_CAPABILITY = 80
 
 
@@ -82,6 +84,7 @@ def device_attribute(device_id: int, name: str) -> int:
 
 
 def multiprocessors(device_id: int) -> int:
+    """The device's streaming multiprocessors."""
     return device_attribute(device_id, "MultiProcessorCount")
 
 

@@ -1,46 +1,42 @@
-"""Launches the dispatch kernels (histogram, scan, stable scatter) into preallocated buffers."""
+"""Launches the dispatch kernels (kernels_cu/dispatch.cu: histogram, scan, stable scatter) into
+preallocated buffers, and with them the GEMMs' m-tile maps (kernels_cu/tile_map.cuh)."""
 from __future__ import annotations
 
 import numpy as np
 
-from . import _compile
-from .dispatch import Dispatch
+from . import _compile, _contract
+from ._contract import DISPATCH_CHUNK, DISPATCH_EXPERT_SCAN_WARPS, DISPATCH_FUSED_WARPS
 
 SOURCE = "dispatch.cu"
 NAMES = ("dispatch_count<int>", "dispatch_count<long long>", "dispatch_expert_scan",
          "dispatch_scatter<int>", "dispatch_scatter<long long>",
          "dispatch_fused<int>", "dispatch_fused<long long>")
-CHUNK = 512  # DISPATCH_CHUNK in dispatch.cu
 COUNT_WARPS = 4
-EXPERT_SCAN_WARPS = 8  # EXPERT_SCAN_WARPS in dispatch.cu
 SCATTER_THREADS = 256
-FUSED_WARPS = 8  # FUSED_WARPS in dispatch.cu
-# Up to here one block does all three steps (one launch, not three). It could take FUSED_WARPS * CHUNK,
-# but from about 2500 slots the three kernels are faster (NOTES.md, v17).
-FUSED_MAX_SLOTS = 5 * CHUNK
+# Up to here one block does all three steps (one launch, not three). It could take
+# DISPATCH_FUSED_WARPS * DISPATCH_CHUNK, but from about 2500 slots the three kernels are faster.
+FUSED_MAX_SLOTS = 5 * DISPATCH_CHUNK
 FUSED_MAX_SHARED = 160 * 1024
-# dispatch.cu's TileMap, passed by value: one GEMM's m-tile map for the plan and its skewed plan.
+# tile_map.cuh's TileMap, passed by value: one GEMM's m-tile map for the plan and its skewed plan.
 TILE_MAP = np.dtype({"names": ["block_m", "skewed_block_m", "tiles"], "formats": [np.int32, np.int32, np.uint64],
-                     "offsets": [0, 4, 8], "itemsize": 16, "aligned": True})
+                          "offsets": [0, 4, 8], "itemsize": 16, "aligned": True})
 
 
 class DispatchBuffers:
     """Device arrays for dispatching S slots over E experts, including the GEMMs' m-tile maps."""
 
     def __init__(self, slots: int, experts: int, plan=None):
-        """``plan`` (an experts.Plan) sets the tile maps' rows per tile; None: no tile maps."""
+        """``plan`` (a plans.Plan) sets the tile maps' rows per tile; None: no tile maps."""
         import cupy
 
         self.slots, self.experts = slots, experts
-        self.chunks = max(1, -(-slots // CHUNK))
+        self.chunks = max(1, -(-slots // DISPATCH_CHUNK))
         self.counts = cupy.empty(experts, np.int32)
         self.offsets = cupy.empty(experts + 1, np.int32)
         self.sorted_slots = cupy.empty(slots, np.int32)
         self.slot_positions = cupy.empty(slots, np.int32)
-        # First m-tile of each expert, the total, a tile counter for the persistent GEMM, and
-        # which plan the tiles are for (0: the plan's own, 1: its skewed plan).
-        self.tiles_gate_up = cupy.empty(experts + 3, np.int32)
-        self.tiles_down = cupy.empty(experts + 3, np.int32)
+        self.tiles_gate_up = cupy.empty(_contract.tile_map_size(experts), np.int32)
+        self.tiles_down = cupy.empty(_contract.tile_map_size(experts), np.int32)
         if plan is None:  # the public dispatch: maps of one-row tiles, which nothing reads
             block_m, skewed_block_m, skew_rows = (1, 1), (1, 1), 0
         else:
@@ -54,9 +50,10 @@ class DispatchBuffers:
         self.chunk_starts = cupy.empty(experts * self.chunks, np.int32)
         self.rank = cupy.empty(max(1, slots), np.int32)
 
-    def public(self, top_k: int) -> Dispatch:
-        return Dispatch(self.experts, top_k, self.counts, self.offsets, self.sorted_slots,
-                        self.slot_positions)
+    def chosen_plan(self, gated: bool) -> int:
+        """Which plan the dispatch chose for a GEMM: 0 the host's own, 1 its skewed plan (synchronises)."""
+        tiles = self.tiles_gate_up if gated else self.tiles_down
+        return int(tiles[self.experts + _contract.TILE_MAP_PLAN])
 
 
 def _tile_map(block_m: int, skewed_block_m: int, tiles) -> np.void:
@@ -73,7 +70,7 @@ def _kernel(name: str, device_id: int, shared_bytes: int):
 
 
 def fused_shared_bytes(experts: int) -> int:
-    return 2 * FUSED_WARPS * experts * 4  # per-warp counters, then per-warp starts
+    return 2 * DISPATCH_FUSED_WARPS * experts * 4  # per-warp counters, then per-warp starts
 
 
 def fused_fits(slots: int, experts: int, shared_limit: int) -> bool:
@@ -90,7 +87,7 @@ def launch(ids, buffers: DispatchBuffers) -> None:
     fused_bytes = fused_shared_bytes(b.experts)
     if fused_fits(b.slots, b.experts, _compile.shared_memory_limit(device_id)):
         _kernel(f"dispatch_fused<{id_type}>", device_id, fused_bytes)(
-            (1,), (32 * FUSED_WARPS,),
+            (1,), (32 * DISPATCH_FUSED_WARPS,),
             (ids, slots, experts, b.counts, b.offsets, b.skew_rows, *b.tile_maps, b.rank, b.sorted_slots,
              b.slot_positions),
             shared_mem=fused_bytes)
@@ -101,18 +98,10 @@ def launch(ids, buffers: DispatchBuffers) -> None:
         (-(-b.chunks // COUNT_WARPS),), (32 * COUNT_WARPS,),
         (ids, slots, experts, chunks, b.chunk_starts, b.rank), shared_mem=counters_bytes)
     _kernel("dispatch_expert_scan", device_id, 0)(
-        (-(-b.experts // EXPERT_SCAN_WARPS),), (32 * EXPERT_SCAN_WARPS,),
+        (-(-b.experts // DISPATCH_EXPERT_SCAN_WARPS),), (32 * DISPATCH_EXPERT_SCAN_WARPS,),
         (b.chunk_starts, chunks, experts, b.counts))
     offsets_bytes = (b.experts + 1) * 4
     _kernel(f"dispatch_scatter<{id_type}>", device_id, offsets_bytes)(
         (max(1, -(-b.slots // SCATTER_THREADS)),), (SCATTER_THREADS,),
         (ids, slots, experts, chunks, b.chunk_starts, b.rank, b.counts, b.offsets, b.skew_rows,
          *b.tile_maps, b.sorted_slots, b.slot_positions), shared_mem=offsets_bytes)
-
-
-def run(ids, experts: int) -> DispatchBuffers:
-    """Dispatch ``ids`` [T, k] into freshly allocated buffers (the public ``dispatch`` on the GPU)."""
-    tokens, top_k = ids.shape
-    buffers = DispatchBuffers(tokens * top_k, experts)
-    launch(ids, buffers)
-    return buffers

@@ -4,26 +4,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _checks, _compile, combine, experts
-from ._gpu_dispatch import DispatchBuffers, launch as launch_dispatch
+from . import _checks, _compile, _gpu_combine, _gpu_dispatch, _gpu_experts, plans
+from ._types import Shape
 
 
 class Workspace:
     """Everything one forward of a given Shape writes besides ``out``; reusable across calls."""
 
-    def __init__(self, shape: _checks.Shape, device_id: int):
+    def __init__(self, shape: Shape, device_id: int):
         import cupy
 
-        self.plan = experts.plan(shape.tokens, shape.top_k, shape.experts, shape.hidden,
-                                 shape.intermediate, _compile.compute_capability(device_id),
-                                 _compile.shared_memory_limit(device_id))
+        self.plan = plans.plan(shape.tokens, shape.top_k, shape.experts, shape.hidden,
+                               shape.intermediate, _compile.compute_capability(device_id),
+                               _compile.shared_memory_limit(device_id))
         slots = shape.tokens * shape.top_k
         try:
             if self.plan.by_slot:  # h and y in slot order; the down GEMM writes the positions
                 self.dispatch = None
                 self.slot_positions = cupy.empty(slots, np.int32)
             else:
-                self.dispatch = DispatchBuffers(slots, shape.experts, self.plan)
+                self.dispatch = _gpu_dispatch.DispatchBuffers(slots, shape.experts, self.plan)
                 self.slot_positions = self.dispatch.slot_positions
             # The SwiGLU output and the down projection, in expert order (by slot: slot order).
             self.h = cupy.empty((slots, shape.intermediate), shape.dtype)
@@ -42,7 +42,7 @@ class Workspace:
         return self.h.nbytes + self.y.nbytes
 
 
-def forward(a: dict, shape: _checks.Shape, workspace: Workspace, out, check_ids: bool):
+def forward(a: dict, shape: Shape, workspace: Workspace, out, check_ids: bool):
     """Run the layer on checked CuPy arrays ``a`` (x, w13, w2, topk_ids, topk_weights)."""
     import cupy
 
@@ -61,11 +61,13 @@ def forward(a: dict, shape: _checks.Shape, workspace: Workspace, out, check_ids:
     if x.data.ptr % _checks.GPU_ALIGNMENT:  # a contiguous view off the 16-byte grid
         x = x.copy()
     ws = workspace
+    gate_up = _gpu_experts.gate_up_gemm(x, a["w13"], ws.h, shape)
+    down = _gpu_experts.down_gemm(ws.h, a["w2"], ws.y, shape)
     if ws.dispatch is None:
-        experts.by_slot(x, ids, a["w13"], a["w2"], ws.h, ws.y, ws.slot_positions, shape, ws.plan)
+        _gpu_experts.run_by_slot((gate_up, down), ids, ws.slot_positions, shape, ws.plan)
     else:
-        launch_dispatch(ids, ws.dispatch)
-        experts.gate_up(x, a["w13"], ws.dispatch, ws.h, shape, ws.plan)
-        experts.down(ws.h, a["w2"], ws.dispatch, ws.y, shape, ws.plan)
-    combine.run(ws.y, ws.slot_positions, weights, out, shape)
+        _gpu_dispatch.launch(ids, ws.dispatch)
+        _gpu_experts.run(gate_up, ws.dispatch, shape, ws.plan)
+        _gpu_experts.run(down, ws.dispatch, shape, ws.plan)
+    _gpu_combine.run(ws.y, ws.slot_positions, weights, out, shape)
     return out

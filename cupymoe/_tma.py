@@ -1,10 +1,10 @@
 """TMA tensor maps of the expert weights, encoded by the CUDA driver (libcuda) through ctypes.
 
-A map describes a weight array as [rows, K] of 16-bit values, read in boxes of 128 rows (64 for
-stages of two K-tiles) by 64 columns (128 bytes) into 128-byte-swizzled shared memory: the layout
-of one stage of the weight tile in ``kernels_cu/expert_gemm_ws.cu`` (its BOX_ROWS and BK). It is
-passed by value as a ``__grid_constant__`` kernel parameter, so CUDA graphs capture it with the
-launch.
+A map describes a weight array as [rows, K] of 16-bit values, read in boxes of TMA_BOX_ROWS rows
+(WGMMA_BLOCK_ROWS for stages of two K-tiles) by K_TILE columns (128 bytes) into 128-byte-swizzled
+shared memory: the layout of one stage of the weight tile in ``kernels_cu/expert_gemm_ws.cu``
+(the constants come from ``_contract``). It is passed by value as a ``__grid_constant__`` kernel
+parameter, so CUDA graphs capture it with the launch.
 """
 from __future__ import annotations
 
@@ -13,14 +13,13 @@ import functools
 
 import numpy as np
 
-BOX_ROWS = 128
-HALF_BOX_ROWS = 64  # stages of two K-tiles: one m64 block of a consumer (the kernel's BLOCK_ROWS)
-BOX_COLUMNS = 64
+from ._contract import K_TILE, TMA_BOX_ROWS, WGMMA_BLOCK_ROWS
+
 # Enumerators of cuda.h's CUtensorMap* types.
 _DATA_UINT16 = 1  # bf16 and fp16 are copied as bits
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
-_L2_PROMOTION_256B = 3  # 128 bytes: 1-2% faster on some H200s, as much slower on others (NOTES.md, v22)
+_L2_PROMOTION_256B = 3  # each box row's L2 fetch widened to 256 bytes (128 measured: as much faster as slower, by H200)
 _L2_PROMOTION_NONE = 0
 _OOB_FILL_NONE = 0
 # CUtensorMap: 128 opaque bytes; a struct dtype so CuPy passes it by value.
@@ -41,12 +40,12 @@ def _encode_tiled():
 
 @functools.lru_cache(maxsize=64)  # a map depends only on its arguments, so reuse is always exact
 def _rows_map(address: int, rows: int, columns: int, promotion: int = _L2_PROMOTION_256B,
-              box_rows: int = BOX_ROWS) -> np.void:
+              box_rows: int = TMA_BOX_ROWS) -> np.void:
     u32, u64 = ctypes.c_uint32, ctypes.c_uint64
     out = np.zeros(1, TENSOR_MAP)
     status = _encode_tiled()(
         out.ctypes.data, _DATA_UINT16, 2, ctypes.c_void_p(address), (u64 * 2)(columns, rows),
-        (u64 * 1)(2 * columns), (u32 * 2)(BOX_COLUMNS, box_rows), (u32 * 2)(1, 1),
+        (u64 * 1)(2 * columns), (u32 * 2)(K_TILE, box_rows), (u32 * 2)(1, 1),
         _INTERLEAVE_NONE, _SWIZZLE_128B, promotion, _OOB_FILL_NONE)
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for {rows} rows of "
@@ -61,4 +60,4 @@ def weight_rows_map(w, k_group: int = 1) -> np.void:
     columns = w.shape[-1]
     if k_group == 1:
         return _rows_map(w.data.ptr, w.size // columns, columns)
-    return _rows_map(w.data.ptr, w.size // columns, columns, _L2_PROMOTION_NONE, HALF_BOX_ROWS)
+    return _rows_map(w.data.ptr, w.size // columns, columns, _L2_PROMOTION_NONE, WGMMA_BLOCK_ROWS)

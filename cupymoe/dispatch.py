@@ -1,26 +1,10 @@
 """Dispatch: group the (token, k) slots by expert with a histogram, a scan and a stable scatter."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from . import _checks, reference
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """Where each routed slot goes. Slot ``s = t * k + j`` is token t's j-th expert choice.
-
-    Arrays are int32 and live where the ids came from (NumPy or CuPy).
-    """
-
-    num_experts: int  # E
-    top_k: int  # k
-    counts: object  # [E]: valid slots routed to each expert
-    offsets: object  # [E + 1]: exclusive prefix sum of counts; offsets[E] = valid slots
-    sorted_slots: object  # [T * k]: valid slots by expert, ascending inside each; then -1
-    slot_positions: object  # [T * k]: index of each slot in sorted_slots; -1 for ids not in [0, E)
+from ._types import Dispatch
 
 
 def dispatch(topk_ids, num_experts, *, check_ids=True):
@@ -55,4 +39,7 @@ def dispatch(topk_ids, num_experts, *, check_ids=True):
     from . import _gpu_dispatch
 
     with ids.device:
-        return _gpu_dispatch.run(xp.ascontiguousarray(ids), int(num_experts)).public(top_k)
+        buffers = _gpu_dispatch.DispatchBuffers(ids.size, int(num_experts))
+        _gpu_dispatch.launch(xp.ascontiguousarray(ids), buffers)
+        return Dispatch(int(num_experts), top_k, buffers.counts, buffers.offsets, buffers.sorted_slots,
+                        buffers.slot_positions)

@@ -40,31 +40,44 @@ def silu(v: np.ndarray) -> np.ndarray:
     return v / (1.0 + np.exp(-v))
 
 
-def fused_experts(x, w13, w2, topk_ids, topk_weights, out) -> np.ndarray:
-    """Write the MoE layer's output into ``out`` [T, H] and return it (arguments pre-checked)."""
-    tokens, hidden = x.shape
+def expert_outputs(x, w13, w2, top_k, offsets, sorted_slots) -> np.ndarray:
+    """The expert GEMMs: y [T * k, H] in the dispatch's order, row p = w2[e] @ h[p] with
+    h[p] = silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]) for sorted slot p = (t, j) of expert e;
+    h and y rounded to x's dtype. Rows past the valid slots are left unwritten."""
     experts, two_i, _ = w13.shape
     inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    dtype = x.dtype
-    _, offsets, sorted_slots, slot_positions = dispatch_arrays(topk_ids, experts)
-    expert_out = np.empty((tokens * top_k, hidden), dtype)
+    y = np.empty((sorted_slots.size, x.shape[1]), x.dtype)
     for e in range(experts):
         slots = sorted_slots[offsets[e]:offsets[e + 1]]
         if slots.size == 0:
             continue
         xs = x[slots // top_k].astype(np.float32)
         w = w13[e].astype(np.float32)
-        h = (silu(xs @ w[:inter].T) * (xs @ w[inter:].T)).astype(dtype)
-        expert_out[offsets[e]:offsets[e + 1]] = (h.astype(np.float32) @ w2[e].astype(np.float32).T).astype(dtype)
-    acc = np.zeros((tokens, hidden), np.float32)
+        h = (silu(xs @ w[:inter].T) * (xs @ w[inter:].T)).astype(x.dtype)
+        y[offsets[e]:offsets[e + 1]] = (h.astype(np.float32) @ w2[e].astype(np.float32).T).astype(x.dtype)
+    return y
+
+
+def combine(y, slot_positions, topk_weights, out) -> np.ndarray:
+    """out[t] = sum_j topk_weights[t, j] * y[slot_positions[t * k + j]] in float32, j ascending,
+    skipping slots at position -1; rounded into ``out`` [T, H] and returned."""
+    tokens, top_k = topk_weights.shape
+    acc = np.zeros((tokens, y.shape[1]), np.float32)
     positions = slot_positions.reshape(tokens, top_k)
     for j in range(top_k):
         pos = positions[:, j]
         hit = pos >= 0
-        acc[hit] += topk_weights[hit, j, None] * expert_out[pos[hit]].astype(np.float32)
-    out[...] = acc.astype(dtype)
+        acc[hit] += topk_weights[hit, j, None] * y[pos[hit]].astype(np.float32)
+    out[...] = acc.astype(out.dtype)
     return out
+
+
+def fused_experts(x, w13, w2, topk_ids, topk_weights, out) -> np.ndarray:
+    """The layer, stage by stage: dispatch, expert GEMMs, combine; into ``out`` [T, H] (arguments
+    pre-checked)."""
+    _, offsets, sorted_slots, slot_positions = dispatch_arrays(topk_ids, w13.shape[0])
+    y = expert_outputs(x, w13, w2, topk_ids.shape[1], offsets, sorted_slots)
+    return combine(y, slot_positions, topk_weights, out)
 
 
 def route(router_logits: np.ndarray, top_k: int, renormalize: bool):

@@ -1,6 +1,7 @@
 // Shared device helpers: 16-bit float traits, cp.async, ldmatrix, mma.sync, swizzled shared tiles.
 // No CUDA headers are included, so NVRTC needs nothing beyond its built-ins.
 #pragma once
+#include "contract.cuh"
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -66,10 +67,13 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-// A shared tile of ROWS x 64 16-bit values, rows of 128 bytes split into 8 chunks of 16 bytes.
-// Chunk c of row r is stored at chunk c ^ (r & 7), so ldmatrix and cp.async are conflict-free.
+// A shared tile of ROWS x BK 16-bit values: rows of ROW_BYTES split into 8 chunks of 16 bytes.
+// Chunk c of row r is stored at chunk c ^ (r & 7), so ldmatrix and cp.async are conflict-free;
+// it is the 128-byte swizzle of wgmma and TMA.
+constexpr int ROW_BYTES = BK * 2;
+static_assert(ROW_BYTES == 128, "a K-tile row is one 128-byte swizzle row");
 __device__ __forceinline__ u32 swizzled_offset(int row, int chunk) {
-  return u32(row * 128 + ((chunk ^ (row & 7)) << 4));
+  return u32(row * ROW_BYTES + ((chunk ^ (row & 7)) << 4));
 }
 
 // 1/x from the SFU (rcp.approx, about 1 ulp): no IEEE division slow path, so no branches that

@@ -9,10 +9,7 @@
 // and tile maps. Small S runs all steps in one block (dispatch_fused).
 // Ids outside [0, E) are treated as "no expert" and dropped.
 #include "common.cuh"
-
-constexpr int DISPATCH_CHUNK = 512;  // slots per warp in dispatch_count
-constexpr int EXPERT_SCAN_WARPS = 8;  // experts per block of dispatch_expert_scan
-constexpr int FUSED_WARPS = 8;
+#include "tile_map.cuh"
 
 // One warp counts slots [begin, end), at most DISPATCH_CHUNK of them, into counters[E] (zeroed here)
 // and writes each slot's rank. All the chunk's ids are loaded before any is counted.
@@ -101,14 +98,6 @@ __device__ int block_exclusive_scan(int* data, long long n, int* warp_sums) {
   return carry;
 }
 
-// The m-tile map of one GEMM for each of the two plans the host may give (cupymoe/experts.py):
-// its own, of block_m rows per tile, and the one for skewed routing, of skewed_block_m.
-struct TileMap {
-  int block_m;
-  int skewed_block_m;
-  int* tiles;
-};
-
 // Whether the host's skewed plan runs: some expert holds at least skew_rows slots (skew_rows 0:
 // the host gave no such plan). The same in every thread of the block.
 __device__ bool routing_skewed(const int* offsets, int num_experts, int skew_rows) {
@@ -118,15 +107,13 @@ __device__ bool routing_skewed(const int* offsets, int num_experts, int skew_row
   return __syncthreads_or(found);
 }
 
-// Writes m-tile counts per expert for the chosen plan, then scans them: tiles[e] = first tile of
-// e, tiles[E] = all m-tiles. tiles[E + 1] is zeroed (the tile counter of the persistent GEMM, and
-// of expert_gemm from a grid smaller than its tiles), and tiles[E + 2] says which plan's kernels
-// work (0: the host's own, 1: the skewed one).
+// Writes one GEMM's m-tile map (tile_map.cuh) for the chosen plan: each expert's m-tile count,
+// scanned, the counter zeroed and the plan recorded.
 __device__ void tile_map(const int* offsets, int num_experts, const TileMap& map, bool skewed, int* warp_sums) {
   const int block_m = skewed ? map.skewed_block_m : map.block_m;
-  for (int e = threadIdx.x; e <= num_experts + 2; e += blockDim.x)
+  for (int e = threadIdx.x; e <= num_experts + TILE_MAP_EXTRA - 1; e += blockDim.x)
     map.tiles[e] = e < num_experts ? (offsets[e + 1] - offsets[e] + block_m - 1) / block_m
-                                   : e == num_experts + 2 ? int(skewed) : 0;
+                                   : e == num_experts + TILE_MAP_PLAN ? int(skewed) : 0;
   __syncthreads();
   block_exclusive_scan(map.tiles, num_experts + 1, warp_sums);
 }

@@ -17,18 +17,54 @@
 //                [0, E). The tiles are expert_gemm's, so are the bits.
 #include "expert_tiles.cuh"
 
-// ``order`` as RowGather reads it; SLOT_ORDER: C's row r is order[r] (slot_base 0), else slot_base + r.
+// The warp tiles of a block's BM x BN tile: WM x WN warps of WTM x WTN, each MI x NI m16n8 MMAs.
+template <int BM, int BN, int WM, int WN>
+struct WarpTiles {
+  static constexpr int THREADS = WM * WN * 32;
+  static constexpr int WTM = BM / WM, WTN = BN / WN;
+  static constexpr int MI = WTM / 16, NI = WTN / 8;
+  static_assert(MI >= 1 && NI >= 2 && NI % 2 == 0 && WTM % 16 == 0, "warp tile shape");
+};
+
+// The epilogue: writes the tile's valid rows of a warp's accumulators (GATED: silu(gate) * up),
+// C's row r at order[r] when SLOT_ORDER, else at the tile's slot_base + r.
+template <class T, int BM, int BN, int WM, int WN, bool GATED, bool SLOT_ORDER, class Acc, class AccUp>
+__device__ __forceinline__ void store_tile(const Acc& acc, const AccUp& acc_up, u16* __restrict__ c, const Tile& tile,
+                                           const int* __restrict__ order, int n_out, int warp_m, int warp_n,
+                                           int lane) {
+  using W = WarpTiles<BM, BN, WM, WN>;
+#pragma unroll
+  for (int mi = 0; mi < W::MI; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp_m * W::WTM + mi * 16 + (lane >> 2) + half * 8;
+      if (r >= tile.rows) continue;
+#pragma unroll
+      for (int ni = 0; ni < W::NI; ++ni) {
+        float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
+        if constexpr (GATED) {
+          v0 = silu(v0) * acc_up[mi][ni][2 * half];
+          v1 = silu(v1) * acc_up[mi][ni][2 * half + 1];
+        }
+        const int col = warp_n * W::WTN + ni * 8 + (lane & 3) * 2;
+        store_pair<T>(c, tile, SLOT_ORDER ? order[r] : r, n_out, col, v0, v1);
+      }
+    }
+  }
+}
+
+// One block's tile, start to end: the main loop streams the K-tiles through STAGES shared stages
+// of KG K-tiles each (the last group may be short), multiplying each stage once it has landed;
+// then the epilogue. ``order`` as RowGather reads it; SLOT_ORDER: C's row r is order[r]
+// (slot_base 0), else slot_base + r.
 template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED, bool SLOT_ORDER>
 __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restrict__ a,
                                           const int* __restrict__ order, int top_k,
                                           const u16* __restrict__ w, int n_out, int k_dim,
                                           u16* __restrict__ c) {
-  constexpr int THREADS = WM * WN * 32;
-  constexpr int WTM = BM / WM, WTN = BN / WN;
-  constexpr int MI = WTM / 16, NI = WTN / 8;
-  static_assert(MI >= 1 && NI >= 2 && NI % 2 == 0 && WTM % 16 == 0, "warp tile shape");
+  using W = WarpTiles<BM, BN, WM, WN>;
   using F = Float16Traits<T>;
-  using Loader = TileLoader<BM, BN, THREADS, GATED>;
+  using Loader = TileLoader<BM, BN, W::THREADS, GATED>;
 
   const Loader loader(tile, order, top_k, w, n_out, k_dim);
 
@@ -37,11 +73,11 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
   const u32 s_b = s_a + STAGES * KG * Loader::A_BYTES;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warp_m = warp % WM, warp_n = warp / WM;
-  float acc[MI][NI][4] = {};
-  float acc_up[GATED ? MI : 1][GATED ? NI : 1][4] = {};
+  float acc[W::MI][W::NI][4] = {};
+  float acc_up[GATED ? W::MI : 1][GATED ? W::NI : 1][4] = {};  // GATED: the up projection's columns
 
   const int k_tiles = k_dim / BK;
-  const int k_groups = (k_tiles + KG - 1) / KG;  // the last group may be short
+  const int k_groups = (k_tiles + KG - 1) / KG;
   const auto load_group = [&](int g) {
 #pragma unroll
     for (int j = 0; j < KG; ++j) {
@@ -60,7 +96,6 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
     __syncthreads();
     if (g + STAGES - 1 < k_groups) load_group(g + STAGES - 1);
     cp_async_commit();
-
 #pragma unroll
     for (int j = 0; j < KG; ++j) {
       if (g * KG + j == k_tiles) break;
@@ -68,25 +103,25 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
       const u32 sb = s_b + ((g % STAGES) * KG + j) * Loader::B_BYTES;
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) {
-        u32 af[MI][4];
+        u32 af[W::MI][4];
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-          ldmatrix_x4(af[mi], sa + swizzled_offset(warp_m * WTM + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        for (int mi = 0; mi < W::MI; ++mi)
+          ldmatrix_x4(af[mi], sa + swizzled_offset(warp_m * W::WTM + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
 #pragma unroll
-        for (int nj = 0; nj < NI / 2; ++nj) {
-          const int n_row = warp_n * WTN + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
+        for (int nj = 0; nj < W::NI / 2; ++nj) {
+          const int n_row = warp_n * W::WTN + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
           const int chunk = kk * 2 + ((lane >> 3) & 1);
           u32 bf[4];
           ldmatrix_x4(bf, sb + swizzled_offset(n_row, chunk));
 #pragma unroll
-          for (int mi = 0; mi < MI; ++mi) {
+          for (int mi = 0; mi < W::MI; ++mi) {
             F::mma(acc[mi][2 * nj], af[mi], bf[0], bf[1]);
             F::mma(acc[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
           }
-          if constexpr (GATED) {
+          if constexpr (GATED) {  // the up rows, BN on
             ldmatrix_x4(bf, sb + swizzled_offset(BN + n_row, chunk));
 #pragma unroll
-            for (int mi = 0; mi < MI; ++mi) {
+            for (int mi = 0; mi < W::MI; ++mi) {
               F::mma(acc_up[mi][2 * nj], af[mi], bf[0], bf[1]);
               F::mma(acc_up[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
             }
@@ -96,25 +131,7 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
     }
   }
   cp_async_wait<0>();
-
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = warp_m * WTM + mi * 16 + (lane >> 2) + half * 8;
-      if (r >= tile.rows) continue;
-#pragma unroll
-      for (int ni = 0; ni < NI; ++ni) {
-        float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
-        if constexpr (GATED) {
-          v0 = silu(v0) * acc_up[mi][ni][2 * half];
-          v1 = silu(v1) * acc_up[mi][ni][2 * half + 1];
-        }
-        const int col = warp_n * WTN + ni * 8 + (lane & 3) * 2;
-        store_pair<T>(c, tile, SLOT_ORDER ? order[r] : r, n_out, col, v0, v1);
-      }
-    }
-  }
+  store_tile<T, BM, BN, WM, WN, GATED, SLOT_ORDER>(acc, acc_up, c, tile, order, n_out, warp_m, warp_n, lane);
 }
 
 // Shared memory bounds the occupancy of both kernels; without the 1, ptxas holds them to fewer
@@ -126,7 +143,7 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
             int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
             u16* __restrict__ c) {
   if (!plan_chosen(tile_offsets, num_experts, plan)) return;
-  const bool one_each = gridDim.x >= tile_offsets[num_experts] * (n_out / BN);
+  const bool one_each = gridDim.x >= tile_total(tile_offsets, num_experts) * (n_out / BN);
   __shared__ int claimed;
   for (int work = blockIdx.x;;) {
     Tile tile;
@@ -135,7 +152,7 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
     gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, false>(tile, a, GATED ? sorted_slots : nullptr, top_k, w,
                                                            n_out, k_dim, c);
     if (one_each) return;
-    if (threadIdx.x == 0) claimed = gridDim.x + atomicAdd(tile_offsets + num_experts + 1, 1);
+    if (threadIdx.x == 0) claimed = gridDim.x + atomicAdd(tile_counter(tile_offsets, num_experts), 1);
     __syncthreads();  // also: every warp is done with this tile's stages before the next one's loads
     work = claimed;
   }

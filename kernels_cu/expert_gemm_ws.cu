@@ -13,7 +13,7 @@
 // each keeping one stage of MMAs in flight. KG = 2: two K-tiles of one consumer's 128 rows, the
 // consumers taking alternate stages of an even ring, each freeing its stage once its MMAs retire
 // (the other's keep the tensor cores busy meanwhile). A weight row is then read 256 bytes at a
-// time, which DRAM streams faster than 128 (NOTES.md, v22-v23).
+// time, which DRAM streams faster than 128 (docs/design.md, "Persistent kernel").
 // No warp waits on a block-wide barrier, and the producer fills the next tile's stages while the
 // consumers run the epilogue. Each tile is computed by one block in a fixed K order, so which
 // block claims it does not change a bit of the result.
@@ -22,21 +22,29 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
+constexpr int WARPGROUP_THREADS = 128;
+static_assert(PRODUCER_THREADS == WARPGROUP_THREADS, "the producer is warpgroup 0");
 // 128 * 88 + 256 * 208 = 384 * 168, what two consumers' launch holds; 88 keeps the loader unspilled.
 constexpr int PRODUCER_REGISTERS = 88;
 constexpr int CONSUMER_REGISTERS = 208;
-constexpr int CONSUMERS = 2;
-constexpr int WEIGHT_ROWS = 256;  // weight rows per tile
-constexpr int BLOCK_ROWS = 64;    // weight rows per m64 block, two per consumer
-constexpr int STAGED_SLOTS = 32;  // slots per pass of the epilogue (cupymoe/experts.py: STAGED_SLOTS)
-constexpr int CLAIM_AHEAD = 3;    // stages before a tile's end at which the producer claims the next
+constexpr int CONSUMERS = 2;                               // warpgroups 1 and 2
+constexpr int WEIGHT_ROWS = 256;                           // weight rows per tile
+constexpr int CONSUMER_ROWS = WEIGHT_ROWS / CONSUMERS;     // ... per consumer
+static_assert(CONSUMER_ROWS == 2 * BLOCK_ROWS, "a consumer multiplies two m64 blocks");
+constexpr int CLAIM_AHEAD = 3;     // stages before a tile's end at which the producer claims the next
+constexpr int MBARRIER_BYTES = 8;
+constexpr int SWIZZLE_ALIGN = 1024;  // the 128-byte swizzle repeats every 8 rows: stages start on it
+constexpr int PRODUCER_BARRIER = 1;        // named barrier of the producer's threads
+constexpr int FIRST_CONSUMER_BARRIER = 2;  // consumer c's epilogue uses named barrier 2 + c
 
 // One consumer's share of a tile: accumulators, MMAs and epilogue.
 template <class T, int SLOTS, int KG, bool GATED>
 struct ConsumerTile {
   static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns per tile
   static constexpr int COLUMNS = BN / CONSUMERS;                    // ... per consumer
-  static constexpr int SECOND_BLOCK = GATED ? BN : 64;  // shared rows from a consumer's first block to its second
+  // Shared rows from a consumer's first m64 block to its second: gate/up pairs gate rows with the
+  // up rows BN further; down's blocks are adjacent.
+  static constexpr int SECOND_BLOCK = GATED ? BN : BLOCK_ROWS;
   static constexpr int PITCH = 2 * COLUMNS + 16;  // bytes per staged slot row; the 16 spreads the banks
   static constexpr int STAGING_BYTES = STAGED_SLOTS * PITCH;
   static_assert(SLOTS % STAGED_SLOTS == 0 && SLOTS <= 5 * STAGED_SLOTS, "whole passes, at most five");
@@ -46,14 +54,14 @@ struct ConsumerTile {
   // tile's first `passes` groups of STAGED_SLOTS slots hold rows: N covers just those.
   __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer, bool accumulate, int passes, int k_tiles) {
     if constexpr (KG == 1) {
-      const u32 w0 = s_b + consumer * COLUMNS * 128;
-      mma_passes<1>(w0, w0 + SECOND_BLOCK * 128, s_a, accumulate, passes);
+      const u32 w0 = s_b + consumer * COLUMNS * ROW_BYTES;
+      mma_passes<1>(w0, w0 + SECOND_BLOCK * ROW_BYTES, s_a, accumulate, passes);
     } else {  // K-tile j: this consumer's two blocks, then the slots
 #pragma unroll
       for (int j = 0; j < KG; ++j) {
         if (j < k_tiles) {
-          const u32 w0 = s_b + j * 2 * BLOCK_ROWS * 128;
-          mma_passes<1>(w0, w0 + BLOCK_ROWS * 128, s_a + j * SLOTS * 128, accumulate || j > 0, passes);
+          const u32 w0 = s_b + j * 2 * BLOCK_ROWS * ROW_BYTES;
+          mma_passes<1>(w0, w0 + BLOCK_ROWS * ROW_BYTES, s_a + j * SLOTS * ROW_BYTES, accumulate || j > 0, passes);
         }
       }
     }
@@ -67,6 +75,7 @@ struct ConsumerTile {
     const int half = m & 1, step = GATED ? m >> 1 : 0, block = GATED ? 0 : m >> 1;
     const u32 lane_row = smem_addr(staging) + (8 * step + (lane & 7)) * PITCH + (block * 64 + 16 * warp + 8 * half) * 2;
     constexpr int CHUNKS = COLUMNS / 8;  // 16-byte pieces per slot row
+    const int barrier = FIRST_CONSUMER_BARRIER + consumer;
 #pragma unroll
     for (int pass = 0; pass < SLOTS / STAGED_SLOTS; ++pass) {
       if (pass * STAGED_SLOTS >= tile.rows) break;
@@ -78,14 +87,14 @@ struct ConsumerTile {
         else
           stmatrix_x4_trans(lane_row + 8 * j * PITCH, pair(0, i, 0), pair(0, i, 1), pair(1, i, 0), pair(1, i, 1));
       }
-      named_barrier_sync(2 + consumer, 128);
-      for (int piece = threadIdx.x & 127; piece < STAGED_SLOTS * CHUNKS; piece += 128) {
+      named_barrier_sync(barrier, WARPGROUP_THREADS);
+      for (int piece = threadIdx.x % WARPGROUP_THREADS; piece < STAGED_SLOTS * CHUNKS; piece += WARPGROUP_THREADS) {
         const int row = piece / CHUNKS, chunk = piece % CHUNKS, slot = pass * STAGED_SLOTS + row;
         if (slot < tile.rows)
           *reinterpret_cast<uint4*>(c + (long long)(tile.slot_base + slot) * n_out + tile.n0 + consumer * COLUMNS + 8 * chunk) =
               *reinterpret_cast<const uint4*>(staging + row * PITCH + 16 * chunk);
       }
-      named_barrier_sync(2 + consumer, 128);  // the staging rows are free again
+      named_barrier_sync(barrier, WARPGROUP_THREADS);  // the staging rows are free again
     }
   }
 
@@ -121,6 +130,90 @@ struct ConsumerTile {
   }
 };
 
+// The kernel's dynamic shared memory, from its 1024-byte-aligned start: STAGES stages of the
+// slots' rows (A), then of the weight rows (B), then the full and the empty mbarrier of each
+// stage, then each consumer's epilogue staging. cupymoe/plans.py's GemmConfig.shared_bytes is
+// the same sum, with the alignment's slack (tests/test_contract.py holds them equal).
+template <int SLOTS, int STAGES, int KG, bool GATED>
+struct WsLayout {
+  static constexpr int STAGE_ROWS = WEIGHT_ROWS / KG;  // weight rows per stage
+  static constexpr int A_BYTES = KG * SLOTS * ROW_BYTES, B_BYTES = KG * STAGE_ROWS * ROW_BYTES;  // one stage
+  static constexpr int BARRIER_BYTES = 2 * STAGES * MBARRIER_BYTES;
+  static constexpr int STAGING_BYTES = CONSUMERS * ConsumerTile<bf16, SLOTS, KG, GATED>::STAGING_BYTES;
+  static constexpr int BYTES = SWIZZLE_ALIGN + STAGES * (A_BYTES + B_BYTES) + BARRIER_BYTES + STAGING_BYTES;
+};
+
+// Warpgroup 0: claims tiles, and for each fills the stages: the slots' rows by cp.async, the
+// weight rows by TMA; at the end, a stage with rows -1 for each consumer that takes stages.
+template <class T, int SLOTS, int STAGES, int KG, bool GATED>
+__device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
+                                        const TensorMap& w_map, const int* __restrict__ offsets,
+                                        int* __restrict__ tile_offsets, int num_experts, int n_out, int k_dim,
+                                        int k_tiles, int k_steps, u32 s_a, u32 s_b, u32 full, u32 empty,
+                                        Tile* stage_tile, int* claimed) {
+  using Consumer = ConsumerTile<T, SLOTS, KG, GATED>;
+  using Layout = WsLayout<SLOTS, STAGES, KG, GATED>;
+  using Gather = RowGather<SLOTS, WARPGROUP_THREADS, GATED>;
+  constexpr int BN = Consumer::BN;
+  constexpr int BOX_ROWS = KG == 1 ? TMA_BOX_ROWS : BLOCK_ROWS;  // weight rows per TMA box (as cupymoe/_tma.py encodes)
+  int stage = 0;
+  u32 phase = 0;  // parity of the stage's current round
+  const auto advance = [&] {
+    if (++stage == STAGES) { stage = 0; phase ^= 1; }
+  };
+  int* next_work = tile_counter(tile_offsets, num_experts);
+  // The next tile is claimed while the current one's last K-tiles load, and found and its rows
+  // read once the last is issued, so a stage freed at the tile boundary is refilled soon after.
+  const int tile_stages = KG * k_steps;  // KG = 2: both consumers' stages, alternating
+  const int claim_stage = max(tile_stages - CLAIM_AHEAD, 0);
+  if (threadIdx.x == 0) claimed[0] = atomicAdd(next_work, 1);
+  named_barrier_sync(PRODUCER_BARRIER, WARPGROUP_THREADS);
+  Tile tile;
+  bool more = find_tile<SLOTS, BN>(claimed[0], offsets, tile_offsets, num_experts, n_out, tile);
+  const int* order = GATED ? sorted_slots : nullptr;  // down's rows of h are its tiles' positions
+  Gather gather;
+  if (more) gather = Gather(tile, order, top_k);
+  for (int claim = 1; more; ++claim) {  // claimed[] alternates between tiles
+    const int w_row = tile.expert * (GATED ? 2 * n_out : n_out) + tile.n0;  // the tile's first weight row
+    int next_claim = 0;
+    for (int ts = 0; ts < tile_stages; ++ts) {
+      const int half = KG == 1 ? 0 : ts & 1;  // whose rows: KG = 1 both consumers', else consumer `half`'s
+      const int kt0 = ts / KG * KG, kts = min(KG, k_tiles - kt0);
+      mbarrier_wait(empty + MBARRIER_BYTES * stage, phase ^ 1);
+      for (int j = 0; j < kts; ++j)
+        gather.load(s_a + stage * Layout::A_BYTES + j * SLOTS * ROW_BYTES, a, k_dim, kt0 + j);
+      mbarrier_arrive_after_cp_async(full + MBARRIER_BYTES * stage);
+      if (threadIdx.x == 0) {
+        if (ts < KG) stage_tile[stage] = tile;  // each consumer's first stage of the tile
+        mbarrier_arrive_expect_tx(full + MBARRIER_BYTES * stage, kts * Layout::STAGE_ROWS * ROW_BYTES);
+        for (int j = 0; j < kts; ++j) {
+          for (int row = 0; row < Layout::STAGE_ROWS; row += BOX_ROWS) {
+            // Stage row `row` is tile row r (KG = 2: block row / 64 of consumer `half`, where its
+            // MMAs read it with KG = 1); gate/up's rows from BN on are the up projection's, n_out on.
+            const int r = KG == 1 ? row : half * Consumer::COLUMNS + row / BLOCK_ROWS * Consumer::SECOND_BLOCK;
+            const int skip = (GATED && r >= BN) ? n_out - BN : 0;
+            tma_load_2d(s_b + stage * Layout::B_BYTES + (j * Layout::STAGE_ROWS + row) * ROW_BYTES, w_map,
+                        (kt0 + j) * BK, w_row + r + skip, full + MBARRIER_BYTES * stage);
+          }
+        }
+        if (ts == claim_stage) next_claim = atomicAdd(next_work, 1);
+      }
+      advance();
+    }
+    if (threadIdx.x == 0) claimed[claim & 1] = next_claim;
+    named_barrier_sync(PRODUCER_BARRIER, WARPGROUP_THREADS);
+    more = find_tile<SLOTS, BN>(claimed[claim & 1], offsets, tile_offsets, num_experts, n_out, tile);
+    if (more) gather = Gather(tile, order, top_k);
+  }
+  for (int taker = 0; taker < KG; ++taker) {  // the end, in the next stage of each consumer that takes stages
+    mbarrier_wait(empty + MBARRIER_BYTES * stage, phase ^ 1);
+    if (threadIdx.x == 0) stage_tile[stage].rows = -1;
+    mbarrier_arrive(full + MBARRIER_BYTES * stage);
+    if (threadIdx.x == 0) mbarrier_arrive(full + MBARRIER_BYTES * stage);
+    advance();
+  }
+}
+
 // A stage's tile, read by the warp's leader alone and passed to its lanes: the thread that frees
 // the stage is then the only one whose read of it the producer's next store must follow.
 __device__ __forceinline__ Tile read_by_leader(const Tile& shared, bool warp_leader) {
@@ -130,8 +223,50 @@ __device__ __forceinline__ Tile read_by_leader(const Tile& shared, bool warp_lea
               __shfl_sync(~0u, t.n0, 0)};
 }
 
+// Warpgroups 1 and 2: for each tile the stages bring, its MMAs stage by stage, each stage freed
+// once its MMAs retire, then the epilogue; until a stage says there are no more tiles.
 template <class T, int SLOTS, int STAGES, int KG, bool GATED>
-__global__ void __launch_bounds__((CONSUMERS + 1) * 128, 1)
+__device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, u16* __restrict__ c, int n_out,
+                                        u32 s_a, u32 s_b, u32 full, u32 empty, const Tile* stage_tile,
+                                        unsigned char* staging) {
+  using Consumer = ConsumerTile<T, SLOTS, KG, GATED>;
+  using Layout = WsLayout<SLOTS, STAGES, KG, GATED>;
+  int stage = 0;
+  u32 phase = 0;  // parity of the stage's current round
+  const auto advance = [&] {
+    if (++stage == STAGES) { stage = 0; phase ^= 1; }
+  };
+  const bool warp_leader = (threadIdx.x & 31) == 0;
+  Consumer tile_acc;
+  if (KG == 2 && consumer == 1) advance();  // consumer c takes stages c, c + 2, ...
+  for (;;) {
+    mbarrier_wait(full + MBARRIER_BYTES * stage, phase);
+    const Tile tile = read_by_leader(stage_tile[stage], warp_leader);
+    if (tile.rows < 0) break;
+    const int passes = (tile.rows + STAGED_SLOTS - 1) / STAGED_SLOTS;  // of the MMA's N and the epilogue
+    int previous = -1;
+    for (int step = 0; step < k_steps; ++step) {
+      if (step > 0) mbarrier_wait(full + MBARRIER_BYTES * stage, phase);
+      fence_proxy_async();  // the producer's cp.async writes, seen by wgmma's async proxy
+      wgmma_fence();
+      tile_acc.mma(s_a + stage * Layout::A_BYTES, s_b + stage * Layout::B_BYTES, consumer, step > 0, passes,
+                   min(KG, k_tiles - step * KG));
+      wgmma_commit();
+      // The previous stage's MMAs have retired (KG = 2: this stage's), so it can be refilled.
+      if constexpr (KG == 1) wgmma_wait<1>(); else wgmma_wait<0>();
+      const int retired = KG == 1 ? previous : stage;
+      if (retired >= 0 && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * retired);
+      previous = stage;
+      for (int s = 0; s < KG; ++s) advance();  // KG = 2: past the other consumer's stage
+    }
+    wgmma_wait<0>();
+    if (KG == 1 && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * previous);
+    tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES);
+  }
+}
+
+template <class T, int SLOTS, int STAGES, int KG, bool GATED>
+__global__ void __launch_bounds__(PRODUCER_THREADS + CONSUMERS * WARPGROUP_THREADS, 1)
 expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                const __grid_constant__ TensorMap w_map, const int* __restrict__ offsets,
                int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
@@ -142,122 +277,36 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   // With an odd ring a stage would pass between the consumers, and one could wait on a phase parity
   // the stage had reached a round earlier.
   static_assert(KG == 1 || STAGES % 2 == 0, "KG = 2: each consumer keeps its own stages");
-  using Consumer = ConsumerTile<T, SLOTS, KG, GATED>;
-  constexpr int BN = Consumer::BN;
-  constexpr int STAGE_ROWS = WEIGHT_ROWS / KG;                           // weight rows per stage
-  constexpr int A_BYTES = KG * SLOTS * 128, B_BYTES = KG * STAGE_ROWS * 128;  // one stage
-  constexpr int BOX_ROWS = KG == 1 ? 128 : BLOCK_ROWS;  // weight rows per TMA box (cupymoe/_tma.py encodes the same)
+  using Layout = WsLayout<SLOTS, STAGES, KG, GATED>;
   constexpr int STAGE_TAKERS = KG == 1 ? CONSUMERS : 1;  // consumers that read each stage
-  using Gather = RowGather<SLOTS, 128, GATED>;
 
   extern __shared__ unsigned char smem[];
   __shared__ Tile stage_tile[STAGES];  // the tile whose first K-tiles a stage holds; rows -1: no more tiles
-  __shared__ int claimed[2];           // the producer's last two claims, for its 128 threads
-  const u32 s_a = (smem_addr(smem) + 1023) & ~1023u;  // the swizzle repeats every 1024 bytes
-  const u32 s_b = s_a + STAGES * A_BYTES;
-  const u32 full = s_b + STAGES * B_BYTES;  // STAGES mbarriers of 8 bytes, then STAGES "empty"
-  const u32 empty = full + 8 * STAGES;
-  unsigned char* staging = smem + (empty + 8 * STAGES - smem_addr(smem));  // the epilogue's, per consumer
+  __shared__ int claimed[2];           // the producer's last two claims, for its threads
+  const u32 s_a = (smem_addr(smem) + SWIZZLE_ALIGN - 1) & ~u32(SWIZZLE_ALIGN - 1);
+  const u32 s_b = s_a + STAGES * Layout::A_BYTES;
+  const u32 full = s_b + STAGES * Layout::B_BYTES;  // STAGES mbarriers, then STAGES "empty"
+  const u32 empty = full + MBARRIER_BYTES * STAGES;
+  unsigned char* staging = smem + (empty + MBARRIER_BYTES * STAGES - smem_addr(smem));  // the epilogue's, per consumer
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbarrier_init(full + 8 * s, 128 + 1);        // each producer thread's copies, and the TMA
-      mbarrier_init(empty + 8 * s, STAGE_TAKERS * 4);  // one arrival per warp of its consumers
+      mbarrier_init(full + MBARRIER_BYTES * s, PRODUCER_THREADS + 1);  // each producer thread's copies, and the TMA
+      mbarrier_init(empty + MBARRIER_BYTES * s, STAGE_TAKERS * 4);      // one arrival per warp of its consumers
     }
   }
   __syncthreads();
 
   const int k_tiles = k_dim / BK;
   const int k_steps = (k_tiles + KG - 1) / KG;  // a consumer's stages per tile
-  int stage = 0;
-  u32 phase = 0;  // parity of the stage's current round
-  const auto advance = [&] {
-    if (++stage == STAGES) { stage = 0; phase ^= 1; }
-  };
-
-  if (threadIdx.x < 128) {
+  if (threadIdx.x < PRODUCER_THREADS) {
     warpgroup_registers_dec<PRODUCER_REGISTERS>();
-    int* next_work = tile_offsets + num_experts + 1;
-    // The next tile is claimed while the current one's last K-tiles load, and found and its rows
-    // read once the last is issued, so a stage freed at the tile boundary is refilled soon after.
-    const int tile_stages = KG * k_steps;  // KG = 2: both consumers' stages, alternating
-    const int claim_stage = max(tile_stages - CLAIM_AHEAD, 0);
-    if (threadIdx.x == 0) claimed[0] = atomicAdd(next_work, 1);
-    named_barrier_sync(1, 128);
-    Tile tile;
-    bool more = find_tile<SLOTS, BN>(claimed[0], offsets, tile_offsets, num_experts, n_out, tile);
-    const int* order = GATED ? sorted_slots : nullptr;  // down's rows of h are its tiles' positions
-    Gather gather;
-    if (more) gather = Gather(tile, order, top_k);
-    for (int claim = 1; more; ++claim) {  // claimed[] alternates between tiles
-      const int w_row = tile.expert * (GATED ? 2 * n_out : n_out) + tile.n0;  // the tile's first weight row
-      int next_claim = 0;
-      for (int ts = 0; ts < tile_stages; ++ts) {
-        const int half = KG == 1 ? 0 : ts & 1;  // whose rows: KG = 1 both consumers', else consumer `half`'s
-        const int kt0 = ts / KG * KG, kts = min(KG, k_tiles - kt0);
-        mbarrier_wait(empty + 8 * stage, phase ^ 1);
-        for (int j = 0; j < kts; ++j) gather.load(s_a + stage * A_BYTES + j * SLOTS * 128, a, k_dim, kt0 + j);
-        mbarrier_arrive_after_cp_async(full + 8 * stage);
-        if (threadIdx.x == 0) {
-          if (ts < KG) stage_tile[stage] = tile;  // each consumer's first stage of the tile
-          mbarrier_arrive_expect_tx(full + 8 * stage, kts * STAGE_ROWS * 128);
-          for (int j = 0; j < kts; ++j) {
-            for (int row = 0; row < STAGE_ROWS; row += BOX_ROWS) {
-              // Stage row `row` is tile row r (KG = 2: block row / 64 of consumer `half`, where its
-              // MMAs read it with KG = 1); gate/up's rows from BN on are the up projection's, n_out on.
-              const int r = KG == 1 ? row : half * Consumer::COLUMNS + row / BLOCK_ROWS * Consumer::SECOND_BLOCK;
-              const int skip = (GATED && r >= BN) ? n_out - BN : 0;
-              tma_load_2d(s_b + stage * B_BYTES + (j * STAGE_ROWS + row) * 128, w_map, (kt0 + j) * BK,
-                          w_row + r + skip, full + 8 * stage);
-            }
-          }
-          if (ts == claim_stage) next_claim = atomicAdd(next_work, 1);
-        }
-        advance();
-      }
-      if (threadIdx.x == 0) claimed[claim & 1] = next_claim;
-      named_barrier_sync(1, 128);
-      more = find_tile<SLOTS, BN>(claimed[claim & 1], offsets, tile_offsets, num_experts, n_out, tile);
-      if (more) gather = Gather(tile, order, top_k);
-    }
-    for (int taker = 0; taker < KG; ++taker) {  // the end, in the next stage of each consumer that takes stages
-      mbarrier_wait(empty + 8 * stage, phase ^ 1);
-      if (threadIdx.x == 0) stage_tile[stage].rows = -1;
-      mbarrier_arrive(full + 8 * stage);
-      if (threadIdx.x == 0) mbarrier_arrive(full + 8 * stage);
-      advance();
-    }
+    produce<T, SLOTS, STAGES, KG, GATED>(a, sorted_slots, top_k, w_map, offsets, tile_offsets, num_experts, n_out,
+                                         k_dim, k_tiles, k_steps, s_a, s_b, full, empty, stage_tile, claimed);
     return;
   }
-
   warpgroup_registers_inc<CONSUMER_REGISTERS>();
-  const int consumer = (threadIdx.x >> 7) - 1;
-  const bool warp_leader = (threadIdx.x & 31) == 0;
-  Consumer tile_acc;
-  if (KG == 2 && consumer == 1) advance();  // consumer c takes stages c, c + 2, ...
-  for (;;) {
-    mbarrier_wait(full + 8 * stage, phase);
-    const Tile tile = read_by_leader(stage_tile[stage], warp_leader);
-    if (tile.rows < 0) break;
-    const int passes = (tile.rows + STAGED_SLOTS - 1) / STAGED_SLOTS;  // of the MMA's N and the epilogue
-    int previous = -1;
-    for (int step = 0; step < k_steps; ++step) {
-      if (step > 0) mbarrier_wait(full + 8 * stage, phase);
-      fence_proxy_async();  // the producer's cp.async writes, seen by wgmma's async proxy
-      wgmma_fence();
-      tile_acc.mma(s_a + stage * A_BYTES, s_b + stage * B_BYTES, consumer, step > 0, passes,
-                   min(KG, k_tiles - step * KG));
-      wgmma_commit();
-      // The previous stage's MMAs have retired (KG = 2: this stage's), so it can be refilled.
-      if constexpr (KG == 1) wgmma_wait<1>(); else wgmma_wait<0>();
-      const int retired = KG == 1 ? previous : stage;
-      if (retired >= 0 && warp_leader) mbarrier_arrive(empty + 8 * retired);
-      previous = stage;
-      for (int s = 0; s < KG; ++s) advance();  // KG = 2: past the other consumer's stage
-    }
-    wgmma_wait<0>();
-    if (KG == 1 && warp_leader) mbarrier_arrive(empty + 8 * previous);
-    tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES);
-  }
+  consume<T, SLOTS, STAGES, KG, GATED>((threadIdx.x >> 7) - 1, k_tiles, k_steps, c, n_out, s_a, s_b, full, empty,
+                                       stage_tile, staging);
 #else
   __trap();  // compiled for a GPU without wgmma: the host never launches this
 #endif

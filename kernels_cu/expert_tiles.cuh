@@ -1,19 +1,19 @@
 // What every expert GEMM kernel shares: which tile a block computes, how its operands stream into
 // shared memory, and how a pair of output columns is written.
 //
-// The m-tiles of all experts form one list (tile_offsets, written by dispatch_scan). Work items run
+// The m-tiles of all experts form one list (the tile map of tile_map.cuh, written by the dispatch). Work items run
 // expert by expert; an expert's m-tiles go in groups of up to GROUP_M, each group across all n-tiles
 // with its m-tiles innermost, so neighbouring items share a weight tile or a tile's rows in L2.
 //   GATED (gate/up):  A rows are gathered from x through sorted_slots; the B tile holds gate rows
 //                     [n0, n0+BN) then up rows [N+n0, N+n0+BN) of w13[e]; C is h [S, N], N = I.
 //   !GATED (down):    A rows are this expert's rows of h; B holds rows [n0, n0+BN) of w2[e]; C is y [S, N].
-// K streams in tiles of BK = 64 through cp.async (and TMA, for the persistent kernel's weights) into
+// K streams in tiles of BK (64) values through cp.async (and TMA, for the persistent kernel's weights) into
 // 128-byte-swizzled shared tiles, the layout ldmatrix (conflict-free), wgmma (128B swizzle mode)
 // and TMA (SWIZZLE_128B) share.
 #pragma once
 #include "common.cuh"
+#include "tile_map.cuh"
 
-constexpr int BK = 64;
 constexpr int GROUP_M = 8;
 
 struct Tile {
@@ -27,7 +27,7 @@ struct Tile {
 // and one for skewed routing (1), of which the dispatch chose one (tile_map in dispatch.cu); -1:
 // the only plan.
 __device__ __forceinline__ bool plan_chosen(const int* tile_offsets, int num_experts, int plan) {
-  return plan < 0 || tile_offsets[num_experts + 2] == plan;
+  return plan < 0 || chosen_plan(tile_offsets, num_experts) == plan;
 }
 
 // The tile of work item ``work``; false past the last (a grid sized on the host may have more blocks).
@@ -38,7 +38,7 @@ __device__ __forceinline__ bool find_tile(int work, const int* offsets, const in
                                           int n_out, Tile& tile) {
   const int n_tiles = n_out / BN;
   const int m_tile_of_work = work / n_tiles;  // items of expert e: [tile_offsets[e], tile_offsets[e + 1]) * n_tiles
-  if (m_tile_of_work >= tile_offsets[num_experts]) return false;
+  if (m_tile_of_work >= tile_total(tile_offsets, num_experts)) return false;
   int lo = 0, hi = num_experts;  // tile_offsets[lo] <= m_tile_of_work < tile_offsets[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
@@ -70,7 +70,7 @@ template <int BM, int THREADS, bool GATED>
 struct RowGather {
   static constexpr int ROW_STEP = THREADS / 8;
   static constexpr int A_ITERS = BM / ROW_STEP;
-  static constexpr int A_BYTES = BM * 128;  // one stage
+  static constexpr int A_BYTES = BM * ROW_BYTES;  // one stage
   static_assert(A_ITERS * ROW_STEP == BM, "gather shape");
 
   int a_row[A_ITERS];  // row of a (x or h) for each A row this thread loads; -1: past the expert
@@ -102,7 +102,7 @@ struct TileLoader {
   using Gather = RowGather<BM, THREADS, GATED>;
   static constexpr int B_ROWS = GATED ? 2 * BN : BN;
   static constexpr int B_ITERS = B_ROWS / Gather::ROW_STEP;
-  static constexpr int A_BYTES = Gather::A_BYTES, B_BYTES = B_ROWS * 128;  // one stage
+  static constexpr int A_BYTES = Gather::A_BYTES, B_BYTES = B_ROWS * ROW_BYTES;  // one stage
   static_assert(B_ITERS * Gather::ROW_STEP == B_ROWS && BN % Gather::ROW_STEP == 0, "loader shape");
 
   Gather gather;

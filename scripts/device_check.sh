@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# On a GPU machine: install cupymoe, run the GPU test tier, the examples and the benchmark suite.
-# Logs, the suite's JSON and its plot go to $OUT (default /tmp/cupymoe-device). One call does it all.
+# On a GPU machine: install cupymoe, run the GPU test tier and the examples, then the benchmark
+# suite from a wheel install, run outside the checkout. Logs, the suite's JSON and its plot go to
+# $OUT (default /tmp/cupymoe-device). One call does it all.
 set -uo pipefail
 out="${OUT:-/tmp/cupymoe-device}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo" || exit 2
 
 python3 -m pip install --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 || { tail "$out/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 
 echo "== GPU tests"
-python3 -m pytest -q tests -m gpu -p no:cacheprovider --durations=8 >"$out/pytest-gpu.log" 2>&1
+python3 -m pytest -q tests -m gpu -p no:cacheprovider --durations=8 ${DEVICE_CHECK_K:+-k "$DEVICE_CHECK_K"} \
+  >"$out/pytest-gpu.log" 2>&1
 tests_rc=$?
 tail -n 20 "$out/pytest-gpu.log"
 
@@ -20,8 +24,10 @@ for example in quickstart torch_interop jax_interop; do
   python3 "examples/$example.py" 2>&1 | tail -n 4
 done | tee "$out/examples.log"
 
-echo "== benchmark suite"
-python3 benchmarks/suite.py --out "$out" >"$out/suite.log" 2>&1
+echo "== benchmark suite, from a wheel install, outside the checkout"
+python3 -m pip install --no-deps --no-build-isolation . >>"$out/pip.log" 2>&1 || { tail "$out/pip.log"; exit 1; }
+(cd /tmp && python3 -c 'import cupymoe; print("cupymoe from", cupymoe.__file__)' &&
+ python3 -m cupymoe.bench --out "$out") >"$out/suite.log" 2>&1
 bench_rc=$?
 grep -v '^\[' "$out/suite.log" | tail -n 30
 

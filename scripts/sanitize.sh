@@ -3,11 +3,12 @@
 #
 # Usage: scripts/sanitize.sh [TOOL ...]        (default: all four tools, one after the other)
 #
-# Each tool runs scripts/sanitize_cases.py (the test shapes and the benchmark workload at reduced
-# T; see its docstring for SANITIZE_QUICK, SANITIZE_SMALL, SANITIZE_REF_T, SANITIZE_POOL and
-# SANITIZE_MATCH) and, when SANITIZE_PYTEST is set, pytest with those arguments. One line per
-# tool is printed, e.g. "memcheck: 0 errors"; the whole output goes to $OUT/sanitize-<tool>.log.
-# Exits 1 unless every tool reports 0 errors and every run exits 0.
+# Each tool runs the GPU tests marked `sanitize` (`pytest -m "gpu and sanitize" tests`: the small
+# shapes of every stage, every tile plan forced, and the benchmark's workload at T up to 512), with
+# CuPy's memory pool off so that every array is its own cudaMalloc (memcheck sees exact bounds,
+# initcheck fresh memory). One line per tool is printed, e.g. "memcheck: 0 errors"; the whole
+# output goes to $OUT/sanitize-<tool>.log. Exits 1 unless every tool reports 0 errors and every run
+# exits 0.
 #
 # Environment:
 #   COMPUTE_SANITIZER  the compute-sanitizer binary; by default the first found on PATH, in
@@ -15,9 +16,7 @@
 #                      wheel installed for $PYTHON
 #   PYTHON             the interpreter (default python3)
 #   OUT                the folder for the logs (default /tmp)
-#   SANITIZE_PYTEST    pytest arguments, e.g. "tests/test_gpu_parts.py -k dispatch". Leave out the
-#                      out-of-memory test (-k "not out_of_memory"): its failed cudaMalloc is an error
-#                      to the sanitizer.
+#   SANITIZE_K         a pytest -k expression to narrow the tests, e.g. "persistent or plan"
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -89,12 +88,8 @@ for tool in "${TOOLS[@]}"; do
   start=$SECONDS
   runs=1
   status=0
-  sanitize "$tool" "$log" "$PYTHON" scripts/sanitize_cases.py || status=$?
-  if [ -n "${SANITIZE_PYTEST:-}" ]; then
-    runs=2
-    # shellcheck disable=SC2086  # SANITIZE_PYTEST is a list of arguments
-    sanitize "$tool" "$log" "$PYTHON" -m pytest -q -p no:cacheprovider $SANITIZE_PYTEST || status=$?
-  fi
+  CUPYMOE_TEST_NO_POOL=1 sanitize "$tool" "$log" "$PYTHON" -m pytest -q -p no:cacheprovider -m "gpu and sanitize" \
+    ${SANITIZE_K:+-k "$SANITIZE_K"} tests || status=$?
   # racecheck ends a run with "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)",
   # the other tools with "ERROR SUMMARY: E errors".
   found=$(grep -Ec '(ERROR|RACECHECK) SUMMARY' "$log")

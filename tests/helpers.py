@@ -1,8 +1,34 @@
-"""Shared test helpers: random problems, an independent float64 oracle, error metrics."""
+"""Shared test helpers: random problems, an independent float64 oracle, error metrics, and the
+tolerances and bad values every test file uses."""
 import ml_dtypes
 import numpy as np
+import pytest
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+FP16 = np.dtype(np.float16)
+DTYPES = [pytest.param(BF16, id="bf16"), pytest.param(FP16, id="fp16")]
+ID_DTYPES = [pytest.param(np.dtype(np.int32), id="int32"), pytest.param(np.dtype(np.int64), id="int64")]
+
+# The GPU against cupymoe's NumPy reference: the same roundings (h and each expert's output to the
+# activation dtype), only the fp32 summation order differs, so a few elements round to the
+# neighbouring bf16 value (3.9e-3 of the element) and the relative L2 error stays near 1e-3.
+REFERENCE_TOL = 3e-3
+# Anything against the float64 oracle: h and the expert outputs are rounded to bf16 (8 bits of
+# mantissa, 2e-3 relative rms), then summed over k experts.
+ORACLE_TOL = 1e-2
+ORACLE_TOKENS = 8  # the oracle is a Python loop: compare it on the first tokens only
+# Router weights against a float64 softmax: float32 exp and a sum over up to 256 terms.
+ROUTE_RTOL, ROUTE_ATOL = 1e-5, 1e-6
+
+
+def out_of_range_ids(experts, id_dtype):
+    """Ids outside [-1, E), which count as -1 with check_ids=False: just past each end, far off, the
+    dtype's extremes and, for int64, values that would alias expert 0 if truncated to 32 bits."""
+    info = np.iinfo(id_dtype)
+    values = [experts, experts + 3, 300, -2, -5, info.max, info.min]
+    if info.bits == 64:
+        values += [2**33, -(2**40)]
+    return np.array(values, id_dtype)
 
 
 def random_problem(rng, tokens, hidden, experts, inter, top_k, dtype=BF16, routing="uniform"):
@@ -43,8 +69,8 @@ def oracle(x, w13, w2, topk_ids, topk_weights):
 
 
 def rel_l2(got, want):
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
+    got = np.asarray(as_numpy(got), dtype=np.float64)
+    want = np.asarray(as_numpy(want), dtype=np.float64)
     denom = np.linalg.norm(want)
     return float(np.linalg.norm(got - want) / (denom if denom > 0 else 1.0))
 
@@ -58,15 +84,23 @@ def poison(a):
     return a
 
 
+def as_numpy(a):
+    """A NumPy array of ``a``, copied to the host if it is a CuPy array."""
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def to_xp(xp, *arrays):
+    """The host arrays as arrays of ``xp`` (CuPy: copies on the current device and stream)."""
+    return tuple(xp.asarray(a) for a in arrays)
+
+
 def to_gpu(*arrays):
     """CuPy copies of host arrays, on the current device and stream."""
     import cupy
 
-    return tuple(cupy.asarray(a) for a in arrays)
+    return to_xp(cupy, *arrays)
 
 
 def host_bits(a):
-    """The raw 16-bit patterns of a CuPy bf16/fp16 array, on the host."""
-    import cupy
-
-    return cupy.asnumpy(a).view(np.uint16)
+    """The raw 16-bit patterns of a bf16/fp16 array (NumPy or CuPy), on the host."""
+    return as_numpy(a).view(np.uint16)

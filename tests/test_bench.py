@@ -6,27 +6,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupymoe import bench
+from cupymoe.bench import cases, suite
 
-CASES = Path(__file__).resolve().parent.parent / "benchmarks" / "cases.json"
-# Active experts per case in peers-h200.md: the inputs the peers were timed on.
+CASES = cases.DEFAULT_CASES
+# Active experts per case in the peers' table (benchmarks/PERF.md, "Peers"): the inputs they were timed on.
 PEER_ACTIVE_EXPERTS = {"u1": 8, "u4": 31, "u8": 61, "u16": 100, "u32": 161, "u64": 222, "u128": 252,
                        "u256": 255, "u512": 256, "u1024": 256, "u2048": 256, "u4096": 256, "u8192": 256,
                        "z64": 123, "z512": 243, "z4096": 256}
-PEER_READ, PEER_MATMUL = 4.45e12, 770e12  # the ceilings of peers-h200.md's SOL column
-SMALL = bench.Model(hidden=64, experts=16, intermediate=32, top_k=4)
+PEER_READ, PEER_MATMUL = 4.45e12, 770e12  # the ceilings of that table's SOL column
+SMALL = cases.Model(hidden=64, experts=16, intermediate=32, top_k=4)
 
 
-def suite():
-    return bench.load_suite(CASES)
+def reference_suite():
+    return cases.load_suite(CASES)
 
 
 def test_the_case_file_is_the_reference_workload():
-    model, cases = suite()
-    assert model == bench.Model(hidden=4096, experts=256, intermediate=1024, top_k=8)
-    assert [c.id for c in cases] == list(PEER_ACTIVE_EXPERTS)
+    model, suite_cases = reference_suite()
+    assert model == cases.Model(hidden=4096, experts=256, intermediate=1024, top_k=8)
+    assert [c.id for c in suite_cases] == list(PEER_ACTIVE_EXPERTS)
     assert all(c.routing == ("zipf" if c.id.startswith("z") else "uniform") and c.tokens == int(c.id[1:])
-               for c in cases)
+               for c in suite_cases)
 
 
 def test_an_unknown_routing_is_refused(tmp_path):
@@ -35,14 +35,14 @@ def test_an_unknown_routing_is_refused(tmp_path):
     path = tmp_path / "cases.json"
     path.write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="round-robin"):
-        bench.load_suite(path)
+        cases.load_suite(path)
 
 
 @pytest.mark.parametrize("routing", ["uniform", "zipf"])
 def test_inputs_follow_the_documented_draw_order(routing):
     """cases.json "data", written out again: x, then the routing, then the logits, from one generator."""
-    case = bench.Case("c", 37, routing, 5)
-    x, ids, weights = bench.make_case_inputs(case, SMALL)
+    case = cases.Case("c", 37, routing, 5)
+    x, ids, weights = cases.make_case_inputs(case, SMALL)
     rng = np.random.default_rng(5)
     want_x = rng.standard_normal((37, SMALL.hidden), dtype=np.float32)
     if routing == "uniform":
@@ -53,8 +53,8 @@ def test_inputs_follow_the_documented_draw_order(routing):
         want_ids = np.argsort(-(-1.2 * np.log(rank + 1) + g), axis=1, kind="stable")[:, :SMALL.top_k]
     logits = rng.standard_normal((37, SMALL.top_k))
     want_weights = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
-    assert x.dtype == bench.BF16 and ids.dtype == np.int32 and weights.dtype == np.float32
-    np.testing.assert_array_equal(x.view(np.uint16), want_x.astype(bench.BF16).view(np.uint16))
+    assert x.dtype == cases.BF16 and ids.dtype == np.int32 and weights.dtype == np.float32
+    np.testing.assert_array_equal(x.view(np.uint16), want_x.astype(cases.BF16).view(np.uint16))
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_allclose(weights, want_weights, rtol=1e-6)
     assert all(len(set(row)) == SMALL.top_k for row in ids.tolist())
@@ -62,38 +62,38 @@ def test_inputs_follow_the_documented_draw_order(routing):
 
 
 def test_the_suite_draws_the_inputs_the_peers_were_timed_on():
-    model, cases = suite()
-    for case in cases:
-        _, ids, _ = bench.make_case_inputs(case, model)
-        assert bench.active_experts(ids) == PEER_ACTIVE_EXPERTS[case.id], case.id
+    model, suite_cases = reference_suite()
+    for case in suite_cases:
+        _, ids, _ = cases.make_case_inputs(case, model)
+        assert cases.active_experts(ids) == PEER_ACTIVE_EXPERTS[case.id], case.id
 
 
 @pytest.mark.parametrize("case_id,tokens,active,want_ms", [
     ("u1", 1, 8, 0.045), ("u512", 512, 256, 1.450), ("u4096", 4096, 256, 1.463), ("u8192", 8192, 256, 2.142)])
 def test_sol_is_the_peer_tables_column(case_id, tokens, active, want_ms):
-    model, _ = suite()
-    assert bench.sol_ms(model, tokens, active, PEER_READ, PEER_MATMUL) == pytest.approx(want_ms, abs=5e-4)
+    model, _ = reference_suite()
+    assert cases.sol_ms(model, tokens, active, PEER_READ, PEER_MATMUL) == pytest.approx(want_ms, abs=5e-4)
 
 
 def test_sol_counts_bytes_below_the_crossover_and_flops_above():
     h, i, k = SMALL.hidden, SMALL.intermediate, SMALL.top_k
     moved = 3 * 3 * h * i * 2 + 2 * 10 * h * 2 + 10 * k * 8
-    assert bench.sol_ms(SMALL, 10, 3, 1e9, 1e30) == pytest.approx(moved / 1e9 * 1e3)
-    assert bench.sol_ms(SMALL, 10, 3, 1e30, 1e9) == pytest.approx(6 * 10 * k * h * i / 1e9 * 1e3)
+    assert cases.sol_ms(SMALL, 10, 3, 1e9, 1e30) == pytest.approx(moved / 1e9 * 1e3)
+    assert cases.sol_ms(SMALL, 10, 3, 1e30, 1e9) == pytest.approx(6 * 10 * k * h * i / 1e9 * 1e3)
 
 
 def test_select_cases_keeps_suite_order_and_names_unknown_ids():
-    _, cases = suite()
-    assert [c.id for c in bench.select_cases(cases, "z64, u1")] == ["u1", "z64"]
-    assert bench.select_cases(cases, None) == cases
+    _, suite_cases = reference_suite()
+    assert [c.id for c in cases.select_cases(suite_cases, "z64, u1")] == ["u1", "z64"]
+    assert cases.select_cases(suite_cases, None) == suite_cases
     with pytest.raises(ValueError, match="u3"):
-        bench.select_cases(cases, "u1,u3")
+        cases.select_cases(suite_cases, "u1,u3")
 
 
 @pytest.mark.parametrize("name,tag", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("Some GPU", "gpu")])
 def test_device_short_name(name, tag):
-    assert bench.device_short_name(name) == tag
+    assert suite.device_short_name(name) == tag
 
 
 def row(case_id, sol, ms, peer_ms=None, rel_err=3e-3, peer_rel_err=None):
@@ -105,8 +105,8 @@ def row(case_id, sol, ms, peer_ms=None, rel_err=3e-3, peer_rel_err=None):
 
 def test_suite_figures_are_the_mean_and_the_ratio_of_sums():
     rows = [row("u1", 1.0, 2.0), row("u2", 3.0, 4.0)]
-    assert bench.suite_figures(rows, "ms_graph") == (3.0, pytest.approx(4.0 / 6.0))
-    assert bench.suite_figures(rows, "peer_ms_graph") == (None, None)
+    assert suite.suite_figures(rows, "ms_graph") == (3.0, pytest.approx(4.0 / 6.0))
+    assert suite.suite_figures(rows, "peer_ms_graph") == (None, None)
 
 
 def test_the_table_shows_share_speedup_and_failures():
@@ -115,28 +115,29 @@ def test_the_table_shows_share_speedup_and_failures():
     result = {"device": "NVIDIA H200", "headline": "ms_graph", "read_bw_TBps": 4.5, "matmul_TFLOPs": 780.0,
               "peer": "torch", "cases": rows, "sol_mean_ms": 0.75, "mean_ms": None, "sol_efficiency": None,
               "peer_mean_ms": None, "peer_sol_efficiency": None, "peak_mem_MiB": 1.0}
-    lines = bench.format_table(result).splitlines()
+    lines = suite.format_table(result).splitlines()
     assert len(lines) == 3 + len(rows) + 1
     assert lines[3] == "| u1 | 1 | 8 | 0.500 | 1.000 | 50% | 1.100 | 2.000 | 2.00 | 1.0 | 3.0e-03 |"
     assert lines[4] == "| u2 | 2 | 8 | 1.000 | FAIL | - | FAIL | - | - | 1.0 | 5.0e-01 |"
     assert lines[5] == "| u4 | 4 | 8 | 1.000 | 2.000 | 50% | 2.200 | FAIL | - | 1.0 | 3.0e-03 |"
     assert lines[-1].startswith("suite (graph): SOL mean 0.750 ms | cupymoe mean - ms, sum(sol)/sum(ms) -")
-    assert "FAILED the check" in bench.progress_line(2, 3, rows[1], 1.0)
-    assert "FAILED" not in bench.progress_line(1, 3, rows[0], 1.0)
+    assert "FAILED the check" in suite.progress_line(2, 3, rows[1], 1.0)
+    assert "FAILED" not in suite.progress_line(1, 3, rows[0], 1.0)
 
 
 def test_command_line_defaults_and_errors(capsys):
-    args, model, cases = bench.parse_args(["--cases", str(CASES), "--only", "u1,z64"])
+    args, model, chosen = suite.parse_args(["--only", "u1,z64"])
     assert (args.reps, args.no_peer, args.no_graph) == (25, False, False)
-    assert [c.id for c in cases] == ["u1", "z64"] and model.experts == 256
+    assert args.cases == CASES  # the suite shipped inside the package
+    assert [c.id for c in chosen] == ["u1", "z64"] and model.experts == 256
     for bad in (["--cases", str(CASES), "--reps", "0"], ["--cases", str(CASES), "--only", "u3"],
                 ["--cases", str(CASES.with_name("missing.json"))]):
         with pytest.raises(SystemExit):
-            bench.parse_args(bad)
+            suite.parse_args(bad)
     assert "--reps must be at least 1" in capsys.readouterr().err
 
 
 def test_main_without_a_gpu_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(bench._compile, "gpu_available", lambda: False)
-    assert bench.main(["--cases", str(CASES)]) == 2
+    monkeypatch.setattr(suite, "gpu_available", lambda: False)
+    assert suite.main(["--cases", str(CASES)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

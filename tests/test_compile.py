@@ -3,16 +3,16 @@ import re
 
 import pytest
 
-from cupymoe import _checks, _compile, _gpu_dispatch, _gpu_route, combine, experts
+from cupymoe import _checks, _compile, _gpu_combine, _gpu_dispatch, _gpu_route, plans
 
 pytest.importorskip("cupy")
 
 MODULES = [
     (_gpu_dispatch.SOURCE, _gpu_dispatch.NAMES),
-    (combine.SOURCE, combine.NAMES),
+    (_gpu_combine.SOURCE, _gpu_combine.NAMES),
     (_gpu_route.SOURCE, _gpu_route.NAMES),
-] + [(source, experts.name_expressions(source, dtype))  # each source once: compiled a second time
-     for source in dict.fromkeys(experts.SOURCES.values())  # in one process, CUDA 13's NVRTC gave an empty log
+] + [(source, plans.name_expressions(source, dtype))  # each source once: compiled a second time
+     for source in dict.fromkeys(plans.SOURCES.values())  # in one process, CUDA 13's NVRTC gave an empty log
      for dtype in (_checks.BFLOAT16, _checks.FLOAT16)]
 
 
@@ -20,10 +20,10 @@ def _small_shared_memory_names(dtype):
     """Instantiations that only GPUs with 99 KiB of shared memory per block (sm_86, sm_89) use."""
     names = []
     for tokens in (1, 64, 256, 512, 1024, 4096):
-        p = experts.plan(tokens, 8, 256, 4096, 1024, 86, experts.SHARED_LIMIT_SMALLEST)
+        p = plans.plan(tokens, 8, 256, 4096, 1024, 86, plans.SHARED_LIMIT_SMALLEST)
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
             name = cfg.name_expression(dtype, gated)
-            if name not in experts.name_expressions(cfg.source, dtype):
+            if name not in plans.name_expressions(cfg.source, dtype):
                 names.append(name)
     return tuple(dict.fromkeys(names))
 
@@ -33,7 +33,7 @@ ARCHS = ["sm_90a", "sm_80", "sm_100"]
 # Those instantiations are compiled for the GPUs that run them (sm_120: RTX 50-series, 99 KiB too).
 SMALL_SHARED_MEMORY_ARCHS = ["sm_86", "sm_89", "sm_120"]
 TARGETS = [(source, names, arch) for source, names in MODULES for arch in ARCHS] + [
-    (experts.SOURCES[experts.MMA], _small_shared_memory_names(dtype), arch)
+    (plans.SOURCES[plans.MMA], _small_shared_memory_names(dtype), arch)
     for dtype in (_checks.BFLOAT16, _checks.FLOAT16) for arch in SMALL_SHARED_MEMORY_ARCHS]
 
 
@@ -61,18 +61,18 @@ def test_compiles_without_spills(source, names, arch):
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert len(spills) == len(names), report
     assert all(s == ("0", "0") for s in spills), report
-    if source in experts.SOURCES.values():  # the plans leave this much room beside shared_bytes()
-        assert all(int(b) <= experts.STATIC_SHARED_BYTES for b in re.findall(r"(\d+) bytes smem", report)), report
+    if source in plans.SOURCES.values():  # the plans leave this much room beside shared_bytes()
+        assert all(int(b) <= plans.STATIC_SHARED_BYTES for b in re.findall(r"(\d+) bytes smem", report)), report
 
 
-def test_sm90a_enables_wgmma_feature_macro():
+def test_arch_options_take_sm90a_on_hopper_and_refuse_old_gpus():
     assert _compile.arch_option(90) == "-arch=sm_90a"
     assert _compile.arch_option(80) == "-arch=sm_80"
     with pytest.raises(NotImplementedError, match="8.0"):
         _compile.arch_option(75)
 
 
-def test_headers_are_inlined():
-    text = _compile.source(experts.SOURCES[experts.MMA])
-    assert '#include "common.cuh"' not in text
-    assert "Float16Traits" in text
+def test_headers_are_inlined_once():
+    text = _compile.source(plans.SOURCES[plans.PERSISTENT])
+    assert "#include \"" not in text
+    assert text.count("struct Float16Traits<bf16>") == 1  # common.cuh, included by several headers

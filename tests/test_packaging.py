@@ -1,4 +1,5 @@
-"""The wheel ships every module of cupymoe/ and every kernel source of kernels_cu/."""
+"""The wheel ships every module of cupymoe/ (the bench subpackage and its data too) and every kernel
+source of kernels_cu/."""
 import importlib.metadata
 import importlib.util
 import os
@@ -61,10 +62,13 @@ def test_wheel_ships_kernel_sources(wheel_names):
     assert not missing, f"kernel sources missing from the wheel: {missing}"
 
 
-def test_wheel_ships_modules(wheel_names):
-    modules = sorted(p.name for p in (REPO / "cupymoe").glob("*.py"))
-    missing = [name for name in modules if f"cupymoe/{name}" not in wheel_names]
-    assert not missing, f"modules missing from the wheel: {missing}"
+def test_wheel_ships_modules_and_the_benchmarks_data(wheel_names):
+    package = REPO / "cupymoe"
+    files = sorted(str(p.relative_to(REPO)) for p in package.rglob("*")
+                   if p.suffix in (".py", ".json", ".cu") and "__pycache__" not in p.parts)
+    assert "cupymoe/bench/cases.json" in files and "cupymoe/bench/__main__.py" in files
+    missing = [name for name in files if name not in wheel_names]
+    assert not missing, f"files missing from the wheel: {missing}"
 
 
 @pytest.mark.skipif(not os.environ.get("CUPYMOE_TEST_INSTALLED"), reason="set by .ci/run only")

@@ -16,13 +16,10 @@ from hypothesis import strategies as st
 
 import cupymoe
 from cupymoe import reference
-from helpers import BF16, oracle, poison, random_problem, rel_l2
+from test_dispatch import check_contract
+from helpers import BF16, FP16, ORACLE_TOL, REFERENCE_TOL, oracle, out_of_range_ids, poison, random_problem, rel_l2
 
-FP16 = np.dtype(np.float16)
 ROUTINGS = ("random", "distinct", "one_expert", "few_experts", "nowhere")
-DISPATCH_FIELDS = ("counts", "offsets", "sorted_slots", "slot_positions")
-ORACLE_TOL = 1e-2  # bf16/fp16 rounding of h and of each expert's output vs float64
-REFERENCE_TOL = 3e-3  # GPU vs the NumPy reference: only fp32 summation order differs
 CPU_SETTINGS = settings(max_examples=150, deadline=None, database=None, derandomize=True)
 GPU_SETTINGS = settings(max_examples=60, deadline=None, database=None, derandomize=True,
                         suppress_health_check=[HealthCheck.too_slow])
@@ -77,12 +74,8 @@ def make_ids(rng, case):
         ids = np.full(shape, -1)
     ids = ids.astype(case.id_dtype)
     if case.unchecked:
-        info = np.iinfo(case.id_dtype)
-        bad_values = [-2, -5, experts, experts + 3, 1000, info.max, info.min]
-        if info.bits == 64:
-            bad_values.append(2**33)  # expert 0 if truncated to 32 bits
         bad = rng.random(shape) < 0.25
-        ids[bad] = rng.choice(np.array(bad_values, case.id_dtype), int(bad.sum()))
+        ids[bad] = rng.choice(out_of_range_ids(experts, case.id_dtype), int(bad.sum()))
     return ids
 
 
@@ -107,26 +100,6 @@ def run_numpy(problem, check_ids):
     return got
 
 
-def check_dispatch(d, ids, experts):
-    """The Dispatch contract, checked from its definition rather than against another implementation."""
-    flat = ids.reshape(-1).astype(np.int64)
-    valid = (flat >= 0) & (flat < experts)
-    assert (d.num_experts, d.top_k) == (experts, ids.shape[1])
-    for name, size in zip(DISPATCH_FIELDS, (experts, experts + 1, flat.size, flat.size), strict=True):
-        array = getattr(d, name)
-        assert array.dtype == np.int32 and array.shape == (size,), name
-    np.testing.assert_array_equal(d.counts, np.bincount(flat[valid], minlength=experts))
-    assert d.offsets[0] == 0
-    np.testing.assert_array_equal(np.diff(d.offsets), d.counts)
-    used = int(d.offsets[-1])
-    for e in range(experts):  # each expert's slots, ascending
-        np.testing.assert_array_equal(d.sorted_slots[d.offsets[e]:d.offsets[e + 1]], np.flatnonzero(flat == e))
-    assert (d.sorted_slots[used:] == -1).all()
-    np.testing.assert_array_equal(d.slot_positions[~valid], -1)
-    slots = np.flatnonzero(valid)
-    np.testing.assert_array_equal(d.sorted_slots[d.slot_positions[slots]], slots)
-
-
 @CPU_SETTINGS
 @given(cases(max_tokens=12, max_experts=8, widths=(64, 128)))
 def test_numpy_backend_matches_oracle(case):
@@ -144,7 +117,7 @@ def test_numpy_backend_matches_oracle(case):
 @given(cases(max_tokens=40, max_experts=16, widths=(64,)))
 def test_dispatch_invariants(case):
     ids = make_ids(np.random.default_rng(case.seed), case)
-    check_dispatch(cupymoe.dispatch(ids, case.experts, check_ids=not case.unchecked), ids, case.experts)
+    check_contract(cupymoe.dispatch(ids, case.experts, check_ids=not case.unchecked), np, ids, case.experts)
 
 
 @CPU_SETTINGS
@@ -177,7 +150,7 @@ def test_non_finite_input_changes_only_its_token_row(case, data):
 @example(Case(300, 8, 8, 256, 192, BF16, np.int32, "distinct", False, 1))
 @example(Case(300, 64, 64, 192, 256, FP16, np.int64, "random", True, 2))
 @example(Case(257, 64, 8, 128, 128, BF16, np.int64, "few_experts", True, 3))
-def test_gpu_matches_reference_and_numpy_dispatch(case):
+def test_gpu_matches_reference_and_dispatch_contract(case):
     import cupy
 
     problem = build(case)
@@ -189,7 +162,4 @@ def test_gpu_matches_reference_and_numpy_dispatch(case):
     want = reference.fused_experts(*problem, np.empty_like(x))
     assert rel_l2(cupy.asnumpy(got), want) < REFERENCE_TOL
 
-    on_gpu = cupymoe.dispatch(args[3], case.experts, check_ids=not case.unchecked)
-    on_host = cupymoe.dispatch(ids, case.experts, check_ids=not case.unchecked)
-    for name in DISPATCH_FIELDS:
-        np.testing.assert_array_equal(cupy.asnumpy(getattr(on_gpu, name)), getattr(on_host, name), err_msg=name)
+    check_contract(cupymoe.dispatch(args[3], case.experts, check_ids=not case.unchecked), cupy, ids, case.experts)

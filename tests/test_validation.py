@@ -1,14 +1,15 @@
 """Bad inputs raise TypeError (array type, dtype, host/GPU mix) or ValueError (rank, shape,
-sizes, ids), with a message that names the argument; NumPy backend unless marked gpu."""
+sizes, ids), with a message that names the argument. The checks (cupymoe/_checks.py) are the same
+code for both backends, so they run on NumPy arrays; what only GPU arrays can get wrong (host and
+GPU mixed, data off the 16-byte grid) is marked gpu."""
 import numpy as np
 import pytest
 
 import cupymoe
 from cupymoe import _checks
-from helpers import BF16, random_problem
+from helpers import BF16, FP16, random_problem
 
 T, H, E, I, K = 3, 64, 4, 64, 2
-FP16 = np.dtype(np.float16)
 
 
 def leads_with(name):

@@ -1,7 +1,7 @@
 """The SM clock and board power while one workload runs back to back for a few seconds: a suite
 case's CUDA graph (`python benchmarks/clocks.py u8192`), cuBLAS bf16 8192^3 (`... matmul`) or the
 suite's streaming read of 4 GiB (`... read`). `nvidia-smi` samples every 100 ms; the first five
-samples are dropped. Throttle reason 0x4 is the software power cap. NOTES.md has the results: from
+samples are dropped. Throttle reason 0x4 is the software power cap. docs/notebook.md has the results: from
 u2048 up the layer runs at the power cap (v13), and what a FLOP and a DRAM byte cost there (v25).
 """
 import subprocess
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # run from a checkout without installing
 
-from cupymoe import MoE, bench  # noqa: E402
+from cupymoe import MoE  # noqa: E402
+from cupymoe.bench import cases, measure  # noqa: E402
 
 SECONDS = 4
 SMI_QUERY = "--query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
@@ -25,18 +26,18 @@ def workload(name, stream):
     import cupy
 
     if name == "matmul":
-        n = bench.MATMUL_N  # the size of the suite's matmul ceiling probe
-        a = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(bench.BF16)
+        n = measure.MATMUL_N  # the size of the suite's matmul ceiling probe
+        a = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(cases.BF16)
         b = a.T.copy()
         return (lambda: cupy.matmul(a, b)), (2 * n**3, None)
     if name == "read":  # the suite's probe at its smallest grid
-        read = bench.streaming_reads(cupy.cuda.Device().id)[bench.READ_BLOCKS_PER_SM[0]]
-        return read, (None, bench.READ_BYTES)
-    model, cases = bench.load_suite(bench.DEFAULT_CASES)
-    (case,) = [c for c in cases if c.id == name]
-    x, ids, w = bench.make_case_inputs(case, model)
+        read = measure.streaming_reads(cupy.cuda.Device().id)[measure.READ_BLOCKS_PER_SM[0]]
+        return read, (None, measure.READ_BYTES)
+    model, suite_cases = cases.load_suite(cases.DEFAULT_CASES)
+    (case,) = [c for c in suite_cases if c.id == name]
+    x, ids, w = cases.make_case_inputs(case, model)
     inputs = tuple(cupy.asarray(v) for v in (x, ids, w))
-    moe = MoE(*bench.expert_weights(model))
+    moe = MoE(*measure.expert_weights(model))
     moe(*inputs, check_ids=False)
     stream.begin_capture()
     moe(*inputs, check_ids=False)

@@ -1,4 +1,4 @@
-"""The atomic-free combine: each token's k expert outputs summed in a fixed order."""
+"""Launches the atomic-free combine (kernels_cu/combine.cu): each token's k expert outputs summed in a fixed order."""
 from __future__ import annotations
 
 import numpy as np

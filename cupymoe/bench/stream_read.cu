@@ -1,4 +1,4 @@
-// Streaming-read bandwidth probe: the memory ceiling of the benchmark roofline (cupymoe/bench.py).
+// Streaming-read bandwidth probe: the memory ceiling of the benchmark roofline (measure.py beside it).
 //
 // Grid-stride loop, 16 bytes per thread per load, kUnroll independent loads in flight per thread.
 // The loaded words are XOR-folded and the result is stored only when it equals kMagic, which

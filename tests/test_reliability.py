@@ -13,22 +13,19 @@ import numpy as np
 import pytest
 
 import cupymoe
-from cupymoe import _compile
-from helpers import BF16, host_bits, oracle, poison, random_problem, rel_l2, to_gpu
+from cupymoe import _compile, reference
+from helpers import (BF16, DTYPES, FP16, ORACLE_TOL, REFERENCE_TOL, host_bits, oracle, poison, random_problem,
+                     rel_l2, to_gpu)
 
 cupy = pytest.importorskip("cupy")
 
-FP16 = np.dtype(np.float16)
-DTYPES = pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-REF_TOL = 2e-3  # vs cupymoe's NumPy reference: same numerics, only the fp32 summation order differs
-ORACLE_TOL = 1e-2  # vs the float64 oracle: h and the expert outputs are rounded to bf16/fp16
 NAN_BF16 = 0x7FC0  # what helpers.poison writes into a bf16 array
 
 
 def assert_close_to_reference(got, problem):
     """A GPU result against cupymoe's NumPy backend on the host ``problem``."""
     want = cupymoe.fused_experts(*problem, check_ids=False)
-    assert rel_l2(cupy.asnumpy(got), want) < REF_TOL
+    assert rel_l2(cupy.asnumpy(got), want) < REFERENCE_TOL
 
 
 @pytest.fixture
@@ -112,7 +109,7 @@ def batch_around(rng, probes, tokens, experts, top_k, routing):
 
 
 @pytest.mark.gpu
-@DTYPES
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_do_not_depend_on_the_batch(dtype):
     """Batch invariance (the default): a token's output bits depend only on its own x, ids and
     weights, whatever the batch size (and so the tile plan and kernel) and the other tokens' routes."""
@@ -202,7 +199,7 @@ def test_workspace_out_of_memory_raises_and_leaves_out_untouched(free_gpu_memory
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
-@DTYPES
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_non_finite_input_changes_only_its_token_row(dtype, value):
     """Token 3 gets one NaN/Inf in x and shares expert 0 (so its GEMM tiles) with every other
     token; token 7 is all NaN/Inf but routed nowhere. Only row 3 changes, and all of it."""
@@ -356,3 +353,66 @@ def test_old_gpu_is_refused_before_any_kernel_runs(monkeypatch):
     with pytest.raises(NotImplementedError, match="Fake GPU") as info:
         cupymoe.fused_experts(*args, check_ids=False)
     assert "8.0" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark's reference workload: H = 4096, E = 256, I = 1024, k = 8, full-size weights
+
+WORKLOAD_HIDDEN, WORKLOAD_EXPERTS, WORKLOAD_INTER, WORKLOAD_TOP_K = 4096, 256, 1024, 8
+
+
+def random_bf16_bits(rng, size, scale_log2):
+    """size bf16 bit patterns of random sign and mantissa, magnitudes in [2^(s-1), 2^(s+1))."""
+    bits = rng.integers(0, 2**16, size=size, dtype=np.uint16)
+    exponent = ((bits >> np.uint16(7)) & np.uint16(1)) + np.uint16(126 + scale_log2)
+    return (bits & np.uint16(0x807F)) | (exponent << np.uint16(7))
+
+
+@pytest.fixture(scope="module")
+def workload_layer():
+    """An MoE of the reference workload's 6 GiB of bf16 weights, copied from the host a few experts
+    at a time (no kernel runs, so this stays quick under compute-sanitizer too); each group of
+    experts is a different window of one random pool, so no two experts are equal."""
+    experts, hidden, inter = WORKLOAD_EXPERTS, WORKLOAD_HIDDEN, WORKLOAD_INTER
+    rng = np.random.default_rng(0)
+    step, shift = 16, 4099  # experts per copy; pool offset between groups (not a row multiple)
+    weights = []
+    for shape, scale_log2 in (((experts, 2 * inter, hidden), -6), ((experts, hidden, inter), -5)):  # ~1/sqrt(K)
+        w = cupy.empty(shape, BF16)
+        group = (step,) + shape[1:]
+        size = int(np.prod(group))
+        pool = random_bf16_bits(rng, size + shift * (experts // step), scale_log2)
+        for g, e in enumerate(range(0, experts, step)):
+            w[e:e + step].view(cupy.uint16).set(pool[g * shift:g * shift + size].reshape(group))
+        weights.append(w)
+    yield cupymoe.MoE(*weights)
+    weights.clear()
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitize
+@pytest.mark.parametrize("routing", ["uniform", "zipf"])
+@pytest.mark.parametrize("tokens", [1, 4, 64, 512])
+def test_reference_workload(workload_layer, tokens, routing):
+    """route, fused_experts and the layer at the benchmark's sizes: the layer gives fused_experts'
+    bits, and the first and last tokens match the NumPy reference run on the experts they use."""
+    layer = workload_layer
+    rng = np.random.default_rng([tokens, routing == "zipf"])
+    log_popularity = np.zeros(WORKLOAD_EXPERTS)
+    if routing == "zipf":  # expert popularity ~ 1 / rank^1.2, as in the suite
+        log_popularity = -1.2 * np.log(np.arange(1, WORKLOAD_EXPERTS + 1))[rng.permutation(WORKLOAD_EXPERTS)]
+    logits = (log_popularity + rng.gumbel(size=(tokens, WORKLOAD_EXPERTS))).astype(np.float32)
+    weights, ids = cupymoe.route(cupy.asarray(logits), WORKLOAD_TOP_K)
+    x = rng.standard_normal((tokens, WORKLOAD_HIDDEN), dtype=np.float32).astype(BF16)
+    gx = cupy.asarray(x)
+    got = cupymoe.fused_experts(gx, layer.w13, layer.w2, ids, weights, out=poison(cupy.empty_like(gx)))
+    np.testing.assert_array_equal(host_bits(layer(gx, ids, weights, check_ids=False)), host_bits(got))
+    rows = sorted({0, tokens - 1})
+    host_ids, host_weights = cupy.asnumpy(ids)[rows], cupy.asnumpy(weights)[rows]
+    used = np.unique(host_ids)
+    w13, w2 = cupy.asnumpy(layer.w13[cupy.asarray(used)]), cupy.asnumpy(layer.w2[cupy.asarray(used)])
+    local_ids = np.searchsorted(used, host_ids).astype(np.int32)
+    want = reference.fused_experts(x[rows], w13, w2, local_ids, host_weights, np.empty_like(x[rows]))
+    assert rel_l2(cupy.asnumpy(got)[rows], want) < REFERENCE_TOL

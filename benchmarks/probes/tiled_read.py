@@ -1,15 +1,15 @@
 """How fast an H200 streams rows in the expert GEMMs' pattern: blocks reading ROWS rows CHUNK bytes
 at a time through a cp.async pipeline (benchmarks/tiled_read.cu), from DRAM (an [E*2I, H] bf16
-array, L2 flushed) and from L2 (a 24 MiB region read over and over). NOTES.md v12 has the results.
+array, L2 flushed) and from L2 (a 24 MiB region read over and over). docs/notebook.md (v12) has the results.
 """
 import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # run from a checkout without installing
 
-from cupymoe import bench  # noqa: E402
+from cupymoe.bench import measure  # noqa: E402
 
 # (rows per block, bytes per row per stage, stages)
 SHAPES = [(16, 128, 8), (16, 256, 6), (64, 128, 6), (64, 256, 4), (64, 512, 3), (128, 128, 6),
@@ -29,8 +29,8 @@ def main() -> int:
     sink = cupy.zeros(1, cupy.uint64)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        flush = cupy.empty(bench.FLUSH_BYTES // 4, cupy.int32)
-        print(f"linear read: {bench.read_bandwidth(stream, flush, 0) / 1e12:.2f} TB/s")
+        flush = cupy.empty(measure.FLUSH_BYTES // 4, cupy.int32)
+        print(f"linear read: {measure.read_bandwidth(stream, flush, 0) / 1e12:.2f} TB/s")
         for (rows, chunk, stages), name in zip(SHAPES, names):
             kernel = module.get_function(name)
             smem = rows * chunk * stages
@@ -40,7 +40,7 @@ def main() -> int:
             def run(tiles):
                 kernel((blocks,), (128,), (src, np.int64(ROW_BYTES), np.int32(tiles), sink), shared_mem=smem)
 
-            dram_ms = bench.time_call(lambda: run(blocks), stream, flush, 10)
+            dram_ms = measure.time_call(lambda: run(blocks), stream, flush, 10)
             run(L2_ROWS // rows)  # warm L2
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
             start.record(stream)

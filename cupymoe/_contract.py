@@ -1,0 +1,56 @@
+"""The numbers that the host code and the CUDA kernels must agree on, defined here once.
+
+``_compile`` passes each entry of :data:`DEFINES` to NVRTC as ``-DCUPYMOE_<NAME>=<value>``, and
+``kernels_cu/contract.cuh`` gives them their CUDA names; a kernel compiled without them stops at
+an ``#error``. What cannot travel as a number (the layout of a struct passed by value, the
+persistent kernel's shared-memory layout) is held to the host's by ``tests/test_contract.py``,
+which compiles ``static_assert``s of the host's values against the kernels' own.
+"""
+from __future__ import annotations
+
+# The GEMMs' K tile (their BK): 64 16-bit values, one 128-byte row of a 128-byte-swizzled shared
+# tile. H and I must be multiples of it.
+K_TILE = 64
+# dispatch.cu: slots per warp of dispatch_count, experts per block of dispatch_expert_scan, warps of
+# the one-block dispatch_fused.
+DISPATCH_CHUNK = 512
+DISPATCH_EXPERT_SCAN_WARPS = 8
+DISPATCH_FUSED_WARPS = 8
+# expert_gemm_ws.cu: the loading warpgroup's threads, the weight rows of one m64 wgmma block, the
+# rows of a TMA box of weights in stages of one K-tile (stages of two take one m64 block a box),
+# and the slots per pass of the epilogue.
+PRODUCER_THREADS = 128
+WGMMA_BLOCK_ROWS = 64
+TMA_BOX_ROWS = 128
+STAGED_SLOTS = 32
+# A GEMM's m-tile map (kernels_cu/tile_map.cuh): int tiles[E + TILE_MAP_EXTRA]. tiles[e] for e < E is
+# the first m-tile of expert e; the fields after them, at E + the index below:
+TILE_MAP_TOTAL = 0  # every expert's m-tiles
+TILE_MAP_COUNTER = 1  # the counter from which blocks claim tiles (zeroed by the dispatch)
+TILE_MAP_PLAN = 2  # which plan the dispatch chose: 0 the host's own, 1 its plan for skewed routing
+TILE_MAP_EXTRA = 3
+
+DEFINES = {
+    "K_TILE": K_TILE,
+    "DISPATCH_CHUNK": DISPATCH_CHUNK,
+    "DISPATCH_EXPERT_SCAN_WARPS": DISPATCH_EXPERT_SCAN_WARPS,
+    "DISPATCH_FUSED_WARPS": DISPATCH_FUSED_WARPS,
+    "PRODUCER_THREADS": PRODUCER_THREADS,
+    "WGMMA_BLOCK_ROWS": WGMMA_BLOCK_ROWS,
+    "TMA_BOX_ROWS": TMA_BOX_ROWS,
+    "STAGED_SLOTS": STAGED_SLOTS,
+    "TILE_MAP_TOTAL": TILE_MAP_TOTAL,
+    "TILE_MAP_COUNTER": TILE_MAP_COUNTER,
+    "TILE_MAP_PLAN": TILE_MAP_PLAN,
+    "TILE_MAP_EXTRA": TILE_MAP_EXTRA,
+}
+
+
+def compile_options() -> tuple:
+    """The ``-D`` options that carry :data:`DEFINES` to the kernels."""
+    return tuple(f"-DCUPYMOE_{name}={value}" for name, value in DEFINES.items())
+
+
+def tile_map_size(experts: int) -> int:
+    """The ints of one GEMM's m-tile map for E experts."""
+    return experts + TILE_MAP_EXTRA

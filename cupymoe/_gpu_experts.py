@@ -1,0 +1,95 @@
+"""Launches the expert GEMMs (kernels_cu/expert_gemm.cu, expert_gemm_ws.cu) of a tile plan.
+
+gate/up: h[p] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T) for each sorted slot p = (t, e);
+down:    y[p] = h[p] @ w2[e].T. With the BY_SLOT plan both run in slot order without a dispatch.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _compile, _tma, plans
+from ._types import Shape
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One GEMM of the layer: C [rows, n_out] = A [rows, k_dim] times expert weights W^T."""
+
+    gated: bool  # gate/up (W = w13, its gate and up rows paired, SwiGLU fused) or down (W = w2)
+    a: object  # x (gate/up, rows gathered by slot) or h (down)
+    w: object  # w13 [E, 2 * n_out, k_dim] or w2 [E, n_out, k_dim]
+    c: object  # h or y
+    n_out: int
+    k_dim: int
+
+
+def gate_up_gemm(x, w13, h, shape: Shape) -> Gemm:
+    return Gemm(True, x, w13, h, shape.intermediate, shape.hidden)
+
+
+def down_gemm(h, w2, y, shape: Shape) -> Gemm:
+    return Gemm(False, h, w2, y, shape.hidden, shape.intermediate)
+
+
+def _compiled(cfg: plans.GemmConfig, gated: bool, dtype, device_id: int, id_type: str = "int"):
+    """The kernel of ``cfg``, allowed its shared memory."""
+    name = cfg.name_expression(dtype, gated, id_type)
+    names = plans.name_expressions(cfg.source, dtype)
+    if name not in names:  # stages cut for a GPU with less shared memory: a module of its own
+        names = (name,)
+    kernel = _compile.kernel(cfg.source, name, names, device_id)
+    smem = cfg.shared_bytes(gated)
+    if kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _one_wave(cfg: plans.GemmConfig, gated: bool, dtype, device_id: int) -> int:
+    """How many blocks of an expert_gemm config the GPU runs at once. A plan that stands by is
+    launched with no more, so when the dispatch takes the other one, about 30,000 fewer blocks
+    start only to exit (docs/design.md, "Skewed routing")."""
+    kernel = _compiled(cfg, gated, dtype, device_id)
+    per_sm = _compile.resident_blocks(kernel, cfg.threads, cfg.shared_bytes(gated))
+    return max(1, per_sm) * _compile.multiprocessors(device_id)
+
+
+def run(gemm: Gemm, dispatch, shape: Shape, chosen: plans.Plan) -> None:
+    """One GEMM over the dispatch's sorted slots (``dispatch``: a _gpu_dispatch.DispatchBuffers),
+    each launch of the plan (and of its skewed plan) on the current stream."""
+    device_id = gemm.a.device.id
+    slots = shape.tokens * shape.top_k
+    tile_map = dispatch.tiles_gate_up if gemm.gated else dispatch.tiles_down
+    for cfg, plan_index in chosen.launches(gemm.gated):
+        kernel = _compiled(cfg, gemm.gated, shape.dtype, device_id)
+        grid = plans.max_m_tiles(slots, shape.experts, cfg.block_m) * (gemm.n_out // cfg.block_n)
+        w = gemm.w
+        if cfg.kernel == plans.PERSISTENT:
+            grid = min(grid, _compile.multiprocessors(device_id))  # one block per SM claims tiles
+            w = _tma.weight_rows_map(w, cfg.k_group)  # the weight tiles come by TMA
+        elif plan_index >= 0:  # the dispatch may choose the other plan: a grid claiming the tiles
+            grid = min(grid, chosen.standby_blocks or _one_wave(cfg, gemm.gated, shape.dtype, device_id))
+        kernel((grid,), (cfg.threads,),
+               (gemm.a, dispatch.sorted_slots, np.int32(shape.top_k), w, dispatch.offsets, tile_map,
+                np.int32(plan_index), np.int32(shape.experts), np.int32(gemm.n_out), np.int32(gemm.k_dim),
+                gemm.c),
+               shared_mem=cfg.shared_bytes(gemm.gated))
+
+
+def run_by_slot(gemms: tuple, ids, slot_positions, shape: Shape, chosen: plans.Plan) -> None:
+    """Both GEMMs (gate/up, then down) without a dispatch, in slot order: routed slot s = (t, j)
+    goes through expert e = ids[t, j] into row s of h and y. An expert's slots go block_m at a
+    time to the blocks of its first slot and of every block_m-th after it. The down GEMM also
+    writes the combine's slot_positions, which the dispatch writes otherwise: s, or -1 where the
+    id is outside [0, E) (then rows s of h and y are not written). Contiguous ids."""
+    slots = shape.tokens * shape.top_k
+    id_type = plans.ID_TYPES[ids.dtype.name]
+    for gemm, cfg in zip(gemms, (chosen.gate_up, chosen.down)):
+        kernel = _compiled(cfg, gemm.gated, shape.dtype, gemm.a.device.id, id_type)
+        kernel((slots * (gemm.n_out // cfg.block_n),), (cfg.threads,),
+               (gemm.a, ids, np.int32(slots), np.int32(shape.top_k), gemm.w, np.int32(shape.experts),
+                np.int32(gemm.n_out), np.int32(gemm.k_dim), gemm.c, slot_positions),
+               shared_mem=cfg.shared_bytes(gemm.gated))

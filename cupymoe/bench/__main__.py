@@ -1,0 +1,6 @@
+"""``python -m cupymoe.bench``: the reference benchmark suite."""
+import sys
+
+from .suite import main
+
+sys.exit(main())

@@ -1,0 +1,189 @@
+"""The contenders of a case, each checked against a float32 reference before it is timed: cupymoe
+(an ``MoE`` layer, eager and CUDA graph) and, where torch is importable, the torch ``grouped_mm``
+pipeline (benchmarks/PERF.md, "Peers"), on the same inputs shared zero-copy through DLPack."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .. import MoE
+from .measure import time_call
+
+BF16_NAN_BITS = 0x7FC0  # outputs are poisoned with this before every checked run
+TOLERANCE = 1e-2  # relative L2 error allowed against the float32 reference
+
+
+def reference_output(x, topk_ids, topk_weights, w13, w2):
+    """The float32 MoE output [T, H] on the GPU, one active expert at a time.
+
+    ``x``, ``w13``, ``w2`` are the bf16 CuPy inputs (upcast here); ``topk_ids`` and
+    ``topk_weights`` are the NumPy routing arrays.
+    """
+    import cupy
+
+    tokens, top_k = topk_ids.shape
+    inter = w13.shape[1] // 2
+    flat = topk_ids.ravel()
+    order = np.argsort(flat, kind="stable")
+    bounds = np.searchsorted(flat[order], np.arange(w13.shape[0] + 1))
+    rows = cupy.asarray(order // top_k)
+    scales = cupy.asarray(topk_weights.ravel()[order])[:, None]
+    x32 = x.astype(cupy.float32)
+    out = cupy.zeros((tokens, w2.shape[1]), cupy.float32)
+    for e in np.flatnonzero(np.diff(bounds)):
+        lo, hi = bounds[e], bounds[e + 1]
+        xs = x32[rows[lo:hi]]
+        w = w13[e].astype(cupy.float32)
+        gate, up = xs @ w[:inter].T, xs @ w[inter:].T
+        h = gate / (1 + cupy.exp(-gate)) * up
+        # A token's k experts are distinct, so rows[lo:hi] has no repeats and += is exact.
+        out[rows[lo:hi]] += scales[lo:hi] * (h @ w2[e].astype(cupy.float32).T)
+    return out
+
+
+def _as_cupy(a):
+    import cupy
+
+    return a if isinstance(a, cupy.ndarray) else cupy.from_dlpack(a)
+
+
+def poison(out) -> None:
+    """Fill a bf16 output (CuPy or DLPack array) with NaN so that unwritten elements fail the check."""
+    _as_cupy(out).view(np.uint16).fill(BF16_NAN_BITS)
+
+
+def rel_l2(got, want) -> float:
+    """||got - want|| / ||want|| with ``got`` a bf16 CuPy or DLPack array, ``want`` float32 CuPy."""
+    import cupy
+
+    diff = _as_cupy(got).astype(cupy.float32) - want
+    return float(cupy.linalg.norm(diff) / cupy.linalg.norm(want))
+
+
+def check_and_time(eager, capture, ref, stream, flush, reps) -> dict:
+    """Check one contender's outputs against ``ref``, then time it.
+
+    ``eager()`` runs one forward on ``stream`` and returns its output; ``capture()`` records
+    one forward in a CUDA graph and returns ``(replay, output)``, or ``capture`` is None to
+    skip graphs. Outputs are poisoned before each checked run. Returns ``rel_err`` (the worse
+    of eager and graph), ``ms_eager`` and ``ms_graph``; the times are None when the check fails.
+    """
+    poison(eager())
+    errors = [rel_l2(eager(), ref)]
+    replay = None
+    if capture is not None:
+        replay, out = capture()
+        poison(out)
+        replay()
+        errors.append(rel_l2(out, ref))
+    err = float(np.max(errors))
+    passed = err < TOLERANCE
+    return {
+        "rel_err": err,
+        "ms_eager": time_call(eager, stream, flush, reps) if passed else None,
+        "ms_graph": time_call(replay, stream, flush, reps) if passed and replay else None,
+    }
+
+
+def bench_cupymoe(w13, w2, inputs, ref, stream, flush, reps, graph) -> dict:
+    """cupymoe on one case: peak memory of its first call, then :func:`check_and_time`.
+
+    ``peak_mem_MiB`` is the growth of CuPy's default memory pool (emptied of cached blocks
+    first) over the first call of a fresh ``MoE``: workspace, output and temporaries.
+    """
+    import cupy
+
+    moe = MoE(w13, w2)
+
+    def eager():
+        return moe(*inputs, check_ids=False)
+
+    def capture():
+        with stream:
+            stream.begin_capture()
+            out = eager()
+            cuda_graph = stream.end_capture()
+        return functools.partial(cuda_graph.launch, stream), out
+
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    eager()  # allocates the workspace and compiles the kernels
+    peak = (pool.total_bytes() - before) / 2**20
+    result = check_and_time(eager, capture if graph else None, ref, stream, flush, reps)
+    return {"peak_mem_MiB": peak, **result}
+
+
+def load_torch_peer():
+    """``(torch, grouped_mm, label)`` for the peer, or None after printing why it is skipped.
+
+    grouped_mm is ``torch.nn.functional.grouped_mm``, else ``torch._grouped_mm``.
+    """
+    try:
+        import torch
+    except ImportError:
+        print("peer skipped: torch is not importable", flush=True)
+        return None
+    if not torch.cuda.is_available():
+        print("peer skipped: torch sees no CUDA device", flush=True)
+        return None
+    for owner, name in ((torch.nn.functional, "nn.functional.grouped_mm"), (torch, "_grouped_mm")):
+        grouped_mm = getattr(owner, name.rpartition(".")[2], None)
+        if grouped_mm is not None:
+            return torch, grouped_mm, f"torch {torch.__version__} {name}"
+    print(f"peer skipped: torch {torch.__version__} has neither nn.functional.grouped_mm "
+          "nor _grouped_mm", flush=True)
+    return None
+
+
+class TorchGroupedMM:
+    """The torch grouped_mm pipeline (PERF.md, "Peers") on the suite's weights (shared zero-copy).
+
+    Its work runs on ``stream`` (a CuPy stream, wrapped as a torch ExternalStream) so the
+    same CUDA events time it.
+    """
+
+    def __init__(self, torch, grouped_mm, name, w13, w2, stream):
+        self.torch = torch
+        self.grouped_mm = grouped_mm
+        self.name = name
+        self.w13 = torch.from_dlpack(w13).transpose(1, 2)  # [E, H, 2I], column-major per expert
+        self.w2 = torch.from_dlpack(w2).transpose(1, 2)  # [E, I, H]
+        self.stream = torch.cuda.ExternalStream(stream.ptr)
+
+    def forward(self, x, topk_ids, topk_weights):
+        """Argsort by expert, gather, grouped_mm gate/up, silu*up, grouped_mm down, weighted index_add_."""
+        torch = self.torch
+        experts, _, two_i = self.w13.shape
+        flat = topk_ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount syncs
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        rows = order // topk_ids.shape[1]
+        gate_up = self.grouped_mm(x.index_select(0, rows), self.w13, offs=offs)
+        h = torch.nn.functional.silu(gate_up[:, : two_i // 2]) * gate_up[:, two_i // 2:]
+        down = self.grouped_mm(h, self.w2, offs=offs)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        out.index_add_(0, rows, down * topk_weights.reshape(-1)[order].unsqueeze(1))
+        return out.to(x.dtype)
+
+    def bench(self, inputs, ref, stream, flush, reps, graph) -> dict:
+        """:func:`check_and_time` on one case's CuPy inputs (CuPy's current stream must be
+        ``stream``); keys prefixed ``peer_``."""
+        torch = self.torch
+        args = tuple(torch.from_dlpack(a) for a in inputs)
+
+        def eager():
+            return self.forward(*args)
+
+        def capture():
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph):
+                out = eager()
+            return cuda_graph.replay, out
+
+        with torch.cuda.stream(self.stream):
+            result = check_and_time(eager, capture if graph else None, ref, stream, flush, reps)
+        return {f"peer_{key}": value for key, value in result.items()}

@@ -1,0 +1,21 @@
+// The numbers the kernels share with the host code, defined once in cupymoe/_contract.py:
+// cupymoe/_compile.py passes each as -DCUPYMOE_<NAME>=<value>, and this header names them.
+#pragma once
+
+#ifndef CUPYMOE_K_TILE
+#error "compile through cupymoe._compile, which passes the constants of cupymoe/_contract.py"
+#endif
+
+constexpr int BK = CUPYMOE_K_TILE;                       // K values per K-tile of the expert GEMMs
+constexpr int DISPATCH_CHUNK = CUPYMOE_DISPATCH_CHUNK;   // slots per warp in dispatch_count
+constexpr int EXPERT_SCAN_WARPS = CUPYMOE_DISPATCH_EXPERT_SCAN_WARPS;  // experts per block of dispatch_expert_scan
+constexpr int FUSED_WARPS = CUPYMOE_DISPATCH_FUSED_WARPS;             // warps of dispatch_fused
+constexpr int PRODUCER_THREADS = CUPYMOE_PRODUCER_THREADS;  // expert_gemm_ws's loading warpgroup
+constexpr int BLOCK_ROWS = CUPYMOE_WGMMA_BLOCK_ROWS;     // weight rows of one m64 wgmma block
+constexpr int TMA_BOX_ROWS = CUPYMOE_TMA_BOX_ROWS;       // weight rows per TMA box, stages of one K-tile
+constexpr int STAGED_SLOTS = CUPYMOE_STAGED_SLOTS;       // slots per pass of expert_gemm_ws's epilogue
+// Fields of a GEMM's m-tile map after its E per-expert entries (tile_map.cuh).
+constexpr int TILE_MAP_TOTAL = CUPYMOE_TILE_MAP_TOTAL;
+constexpr int TILE_MAP_COUNTER = CUPYMOE_TILE_MAP_COUNTER;
+constexpr int TILE_MAP_PLAN = CUPYMOE_TILE_MAP_PLAN;
+constexpr int TILE_MAP_EXTRA = CUPYMOE_TILE_MAP_EXTRA;
