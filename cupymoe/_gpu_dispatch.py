@@ -26,7 +26,8 @@ class DispatchBuffers:
     """Device arrays for dispatching S slots over E experts, including the GEMMs' m-tile maps."""
 
     def __init__(self, slots: int, experts: int, plan=None):
-        """``plan`` (a plans.Plan) sets the tile maps' rows per tile; None: no tile maps."""
+        """``plan`` (a plans.Plan) sets the tile maps' rows per tile; None (the public dispatch):
+        no tile maps, which the kernels then skip."""
         import cupy
 
         self.slots, self.experts = slots, experts
@@ -35,18 +36,17 @@ class DispatchBuffers:
         self.offsets = cupy.empty(experts + 1, np.int32)
         self.sorted_slots = cupy.empty(slots, np.int32)
         self.slot_positions = cupy.empty(slots, np.int32)
-        self.tiles_gate_up = cupy.empty(_contract.tile_map_size(experts), np.int32)
-        self.tiles_down = cupy.empty(_contract.tile_map_size(experts), np.int32)
-        if plan is None:  # the public dispatch: maps of one-row tiles, which nothing reads
-            block_m, skewed_block_m, skew_rows = (1, 1), (1, 1), 0
+        if plan is None:
+            self.tiles_gate_up = self.tiles_down = None
+            self.skew_rows = np.int32(0)
+            self.tile_maps = (_tile_map(0, 0, None),) * 2
         else:
+            self.tiles_gate_up = cupy.empty(_contract.tile_map_size(experts), np.int32)
+            self.tiles_down = cupy.empty(_contract.tile_map_size(experts), np.int32)
             skewed = plan.skewed or plan
-            block_m = (plan.gate_up.block_m, plan.down.block_m)
-            skewed_block_m = (skewed.gate_up.block_m, skewed.down.block_m)
-            skew_rows = plan.skew_rows if plan.skewed else 0
-        self.skew_rows = np.int32(skew_rows)
-        self.tile_maps = tuple(_tile_map(*args) for args in
-                               zip(block_m, skewed_block_m, (self.tiles_gate_up, self.tiles_down)))
+            self.skew_rows = np.int32(plan.skew_rows if plan.skewed else 0)
+            self.tile_maps = (_tile_map(plan.gate_up.block_m, skewed.gate_up.block_m, self.tiles_gate_up),
+                              _tile_map(plan.down.block_m, skewed.down.block_m, self.tiles_down))
         self.chunk_starts = cupy.empty(experts * self.chunks, np.int32)
         self.rank = cupy.empty(max(1, slots), np.int32)
 
@@ -57,8 +57,9 @@ class DispatchBuffers:
 
 
 def _tile_map(block_m: int, skewed_block_m: int, tiles) -> np.void:
+    """A TileMap argument; ``tiles`` None passes a null map."""
     out = np.zeros(1, TILE_MAP)
-    out[0] = (block_m, skewed_block_m, tiles.data.ptr)
+    out[0] = (block_m, skewed_block_m, 0 if tiles is None else tiles.data.ptr)
     return out[0]
 
 

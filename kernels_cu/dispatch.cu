@@ -118,9 +118,10 @@ __device__ void tile_map(const int* offsets, int num_experts, const TileMap& map
   block_exclusive_scan(map.tiles, num_experts + 1, warp_sums);
 }
 
-// Both GEMMs' tile maps from the expert offsets.
+// Both GEMMs' tile maps from the expert offsets; none for the public dispatch (null maps).
 __device__ void tile_maps(const int* offsets, int num_experts, int skew_rows, const TileMap& gate_up,
                           const TileMap& down, int* warp_sums) {
+  if (gate_up.tiles == nullptr) return;  // the same in every thread
   const bool skewed = routing_skewed(offsets, num_experts, skew_rows);
   tile_map(offsets, num_experts, gate_up, skewed, warp_sums);
   tile_map(offsets, num_experts, down, skewed, warp_sums);
