@@ -7,8 +7,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ._contract import K_TILE
-from ._types import Shape
+from ._contract import ACTIVATIONS, K_TILE
+from ._types import ExpertOptions, Shape
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT16 = np.dtype(np.float16)
@@ -177,6 +177,33 @@ def check_forward(x, w13, w2, topk_ids, topk_weights) -> Shape:
         raise ValueError(f"x: expected {hidden} columns (w13's hidden size), got shape {tuple(x.shape)}")
     top_k = check_routing(topk_ids, topk_weights, x.shape[0], experts)
     return Shape(x.shape[0], hidden, experts, inter, top_k, dtype)
+
+
+def check_activation(activation) -> str:
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {', '.join(map(repr, ACTIVATIONS))}, got {activation!r}")
+    return activation
+
+
+def check_options(activation, w13_bias, w2_bias, apply_router_weight_on_input, w13) -> ExpertOptions:
+    """Validate the expert options against the (coerced, checked) w13; return them with the biases
+    coerced to arrays on the weights' side and device."""
+    check_activation(activation)
+    if not isinstance(apply_router_weight_on_input, (bool, np.bool_)):
+        raise TypeError(f"apply_router_weight_on_input: expected a bool, got "
+                        f"{type(apply_router_weight_on_input).__name__}")
+    experts, two_i, hidden = w13.shape
+    biases = []
+    for name, bias, shape in (("w13_bias", w13_bias, (experts, two_i)), ("w2_bias", w2_bias, (experts, hidden))):
+        if bias is not None:
+            bias = as_array(bias, name)
+            array_module({name: bias, "w13": w13})  # the same side and GPU as the weights
+            check_array(bias, name, 2, (w13.dtype,))
+            if tuple(bias.shape) != shape:
+                raise ValueError(f"{name}: expected shape {shape}, got {tuple(bias.shape)}")
+            require_contiguous(bias, name)
+        biases.append(bias)
+    return ExpertOptions(activation, biases[0], biases[1], bool(apply_router_weight_on_input))
 
 
 def check_ids_in_range(topk_ids, experts: int) -> None:

@@ -30,6 +30,19 @@ TILE_MAP_COUNTER = 1  # the counter from which blocks claim tiles (zeroed by the
 TILE_MAP_PLAN = 2  # which plan the dispatch chose: 0 the host's own, 1 its plan for skewed routing
 TILE_MAP_EXTRA = 3
 
+# route.cu's sigmoid routing: the most expert groups (a bit of a 32-bit mask each).
+ROUTE_MAX_GROUPS = 32
+
+# The activations of the gate/up epilogue, by their API names; a kernel takes the index as its ACT.
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+# swigluoai (gpt-oss): gate clamped above at the limit, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)
+SWIGLUOAI_LIMIT = 7.0
+SWIGLUOAI_ALPHA = 1.702
+
+# Flags of an expert GEMM's EPILOGUE template argument: what it adds to a plain SwiGLU.
+EPILOGUE_BIAS = 1  # a bias per expert and output column (w13_bias for gate/up, w2_bias for down)
+EPILOGUE_INPUT_WEIGHT = 2  # gate/up only: the routing weight of each slot scales its projections
+
 DEFINES = {
     "K_TILE": K_TILE,
     "DISPATCH_CHUNK": DISPATCH_CHUNK,
@@ -43,6 +56,12 @@ DEFINES = {
     "TILE_MAP_COUNTER": TILE_MAP_COUNTER,
     "TILE_MAP_PLAN": TILE_MAP_PLAN,
     "TILE_MAP_EXTRA": TILE_MAP_EXTRA,
+    "ROUTE_MAX_GROUPS": ROUTE_MAX_GROUPS,
+    **{f"ACT_{name.upper()}": index for index, name in enumerate(ACTIVATIONS)},
+    "EPILOGUE_BIAS": EPILOGUE_BIAS,
+    "EPILOGUE_INPUT_WEIGHT": EPILOGUE_INPUT_WEIGHT,
+    "SWIGLUOAI_LIMIT": f"{SWIGLUOAI_LIMIT!r}f",
+    "SWIGLUOAI_ALPHA": f"{SWIGLUOAI_ALPHA!r}f",
 }
 
 

@@ -10,10 +10,11 @@ NAMES = ("combine<bf16>", "combine<f16>")
 MAX_THREADS = 512
 
 
-def run(y, slot_positions, topk_weights, out, shape) -> None:
-    """out[t] = sum_j topk_weights[t, j] * y[slot_positions[t * k + j]] (j ascending, fp32)."""
+def run(y, slot_positions, topk_weights, out, shape, addend=None) -> None:
+    """out[t] = sum_j topk_weights[t, j] * y[slot_positions[t * k + j]] (j ascending, fp32), plus
+    addend[t] when given; ``topk_weights`` None weighs every slot 1."""
     tag = "bf16" if shape.dtype == _checks.BFLOAT16 else "f16"
     kernel = _compile.kernel(SOURCE, f"combine<{tag}>", NAMES, out.device.id)
     threads = min(MAX_THREADS, shape.hidden // 8)
     kernel((shape.tokens,), (threads,),
-           (y, slot_positions, topk_weights, np.int32(shape.top_k), np.int32(shape.hidden), out))
+           (y, slot_positions, topk_weights, np.int32(shape.top_k), np.int32(shape.hidden), addend, out))

@@ -1,7 +1,9 @@
 """Launches the expert GEMMs (kernels_cu/expert_gemm.cu, expert_gemm_ws.cu) of a tile plan.
 
-gate/up: h[p] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T) for each sorted slot p = (t, e);
-down:    y[p] = h[p] @ w2[e].T. With the BY_SLOT plan both run in slot order without a dispatch.
+gate/up: h[p] = act(x[t] @ w13[e, :I].T, x[t] @ w13[e, I:].T) for each sorted slot p = (t, e);
+down:    y[p] = h[p] @ w2[e].T; each with the epilogue of the forward's ExpertOptions (biases, the
+routing weight on the input; kernels_cu/epilogue.cuh). With the BY_SLOT plan both run in slot
+order without a dispatch.
 """
 from __future__ import annotations
 
@@ -11,33 +13,49 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _compile, _tma, plans
-from ._types import Shape
+from ._types import ExpertOptions, Shape
+
+# epilogue.cuh's EpilogueArgs, passed by value: the bias and the slots' routing weights (0: none).
+EPILOGUE_ARGS = np.dtype({"names": ["bias", "slot_weights"], "formats": [np.uint64, np.uint64],
+                          "offsets": [0, 8], "itemsize": 16, "aligned": True})
 
 
 @dataclass(frozen=True)
 class Gemm:
-    """One GEMM of the layer: C [rows, n_out] = A [rows, k_dim] times expert weights W^T."""
+    """One GEMM of the layer: C [rows, n_out] = A [rows, k_dim] times expert weights W^T, then its epilogue."""
 
-    gated: bool  # gate/up (W = w13, its gate and up rows paired, SwiGLU fused) or down (W = w2)
+    gated: bool  # gate/up (W = w13, its gate and up rows paired, the activation fused) or down (W = w2)
     a: object  # x (gate/up, rows gathered by slot) or h (down)
     w: object  # w13 [E, 2 * n_out, k_dim] or w2 [E, n_out, k_dim]
     c: object  # h or y
     n_out: int
     k_dim: int
+    epilogue: plans.Epilogue
+    epilogue_args: np.void  # EPILOGUE_ARGS
 
 
-def gate_up_gemm(x, w13, h, shape: Shape) -> Gemm:
-    return Gemm(True, x, w13, h, shape.intermediate, shape.hidden)
+def _epilogue_args(bias, slot_weights) -> np.void:
+    out = np.zeros(1, EPILOGUE_ARGS)
+    out[0] = tuple(0 if a is None else a.data.ptr for a in (bias, slot_weights))
+    return out[0]
 
 
-def down_gemm(h, w2, y, shape: Shape) -> Gemm:
-    return Gemm(False, h, w2, y, shape.hidden, shape.intermediate)
+def gate_up_gemm(x, w13, h, shape: Shape, options: ExpertOptions, topk_weights) -> Gemm:
+    """``topk_weights`` [T, k] contiguous: read by slot when the weights go on the input."""
+    args = _epilogue_args(options.w13_bias, topk_weights if options.weight_on_input else None)
+    return Gemm(True, x, w13, h, shape.intermediate, shape.hidden, plans.Epilogue.of(options, True), args)
 
 
-def _compiled(cfg: plans.GemmConfig, gated: bool, dtype, device_id: int, id_type: str = "int"):
-    """The kernel of ``cfg``, allowed its shared memory."""
-    name = cfg.name_expression(dtype, gated, id_type)
-    names = plans.name_expressions(cfg.source, dtype)
+def down_gemm(h, w2, y, shape: Shape, options: ExpertOptions) -> Gemm:
+    args = _epilogue_args(options.w2_bias, None)
+    return Gemm(False, h, w2, y, shape.hidden, shape.intermediate, plans.Epilogue.of(options, False), args)
+
+
+def _compiled(cfg: plans.GemmConfig, gemm: Gemm, dtype, device_id: int, id_type: str = "int"):
+    """The kernel of ``cfg`` for ``gemm``'s epilogue, allowed its shared memory."""
+    gated = gemm.gated
+    name = cfg.name_expression(dtype, gated, id_type, gemm.epilogue)
+    names = plans.name_expressions(cfg.source, dtype, gated, gemm.epilogue)
     if name not in names:  # stages cut for a GPU with less shared memory: a module of its own
         names = (name,)
     kernel = _compile.kernel(cfg.source, name, names, device_id)
@@ -48,12 +66,11 @@ def _compiled(cfg: plans.GemmConfig, gated: bool, dtype, device_id: int, id_type
 
 
 @functools.lru_cache(maxsize=None)
-def _one_wave(cfg: plans.GemmConfig, gated: bool, dtype, device_id: int) -> int:
-    """How many blocks of an expert_gemm config the GPU runs at once. A plan that stands by is
+def _one_wave(kernel, threads: int, shared_bytes: int, device_id: int) -> int:
+    """How many blocks of an expert_gemm kernel the GPU runs at once. A plan that stands by is
     launched with no more, so when the dispatch takes the other one, about 30,000 fewer blocks
     start only to exit (docs/design.md, "Skewed routing")."""
-    kernel = _compiled(cfg, gated, dtype, device_id)
-    per_sm = _compile.resident_blocks(kernel, cfg.threads, cfg.shared_bytes(gated))
+    per_sm = _compile.resident_blocks(kernel, threads, shared_bytes)
     return max(1, per_sm) * _compile.multiprocessors(device_id)
 
 
@@ -64,18 +81,19 @@ def run(gemm: Gemm, dispatch, shape: Shape, chosen: plans.Plan) -> None:
     slots = shape.tokens * shape.top_k
     tile_map = dispatch.tiles_gate_up if gemm.gated else dispatch.tiles_down
     for cfg, plan_index in chosen.launches(gemm.gated):
-        kernel = _compiled(cfg, gemm.gated, shape.dtype, device_id)
+        kernel = _compiled(cfg, gemm, shape.dtype, device_id)
         grid = plans.max_m_tiles(slots, shape.experts, cfg.block_m) * (gemm.n_out // cfg.block_n)
         w = gemm.w
         if cfg.kernel == plans.PERSISTENT:
             grid = min(grid, _compile.multiprocessors(device_id))  # one block per SM claims tiles
             w = _tma.weight_rows_map(w, cfg.k_group)  # the weight tiles come by TMA
         elif plan_index >= 0:  # the dispatch may choose the other plan: a grid claiming the tiles
-            grid = min(grid, chosen.standby_blocks or _one_wave(cfg, gemm.gated, shape.dtype, device_id))
+            grid = min(grid, chosen.standby_blocks or
+                       _one_wave(kernel, cfg.threads, cfg.shared_bytes(gemm.gated), device_id))
         kernel((grid,), (cfg.threads,),
                (gemm.a, dispatch.sorted_slots, np.int32(shape.top_k), w, dispatch.offsets, tile_map,
                 np.int32(plan_index), np.int32(shape.experts), np.int32(gemm.n_out), np.int32(gemm.k_dim),
-                gemm.c),
+                gemm.c, gemm.epilogue_args),
                shared_mem=cfg.shared_bytes(gemm.gated))
 
 
@@ -88,8 +106,8 @@ def run_by_slot(gemms: tuple, ids, slot_positions, shape: Shape, chosen: plans.P
     slots = shape.tokens * shape.top_k
     id_type = plans.ID_TYPES[ids.dtype.name]
     for gemm, cfg in zip(gemms, (chosen.gate_up, chosen.down)):
-        kernel = _compiled(cfg, gemm.gated, shape.dtype, gemm.a.device.id, id_type)
+        kernel = _compiled(cfg, gemm, shape.dtype, gemm.a.device.id, id_type)
         kernel((slots * (gemm.n_out // cfg.block_n),), (cfg.threads,),
                (gemm.a, ids, np.int32(slots), np.int32(shape.top_k), gemm.w, np.int32(shape.experts),
-                np.int32(gemm.n_out), np.int32(gemm.k_dim), gemm.c, slot_positions),
+                np.int32(gemm.n_out), np.int32(gemm.k_dim), gemm.c, slot_positions, gemm.epilogue_args),
                shared_mem=cfg.shared_bytes(gemm.gated))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _checks, _compile, _gpu_combine, _gpu_dispatch, _gpu_experts, plans
-from ._types import Shape
+from ._types import ExpertOptions, Shape
 
 
 class Workspace:
@@ -42,8 +42,10 @@ class Workspace:
         return self.h.nbytes + self.y.nbytes
 
 
-def forward(a: dict, shape: Shape, workspace: Workspace, out, check_ids: bool):
-    """Run the layer on checked CuPy arrays ``a`` (x, w13, w2, topk_ids, topk_weights)."""
+def forward(a: dict, shape: Shape, workspace: Workspace, out, check_ids: bool, options: ExpertOptions,
+            addend=None):
+    """Run the layer on checked CuPy arrays ``a`` (x, w13, w2, topk_ids, topk_weights), with
+    ``addend`` [T, H] (contiguous, x's dtype) added in the combine when given."""
     import cupy
 
     if check_ids:
@@ -61,13 +63,13 @@ def forward(a: dict, shape: Shape, workspace: Workspace, out, check_ids: bool):
     if x.data.ptr % _checks.GPU_ALIGNMENT:  # a contiguous view off the 16-byte grid
         x = x.copy()
     ws = workspace
-    gate_up = _gpu_experts.gate_up_gemm(x, a["w13"], ws.h, shape)
-    down = _gpu_experts.down_gemm(ws.h, a["w2"], ws.y, shape)
+    gate_up = _gpu_experts.gate_up_gemm(x, a["w13"], ws.h, shape, options, weights)
+    down = _gpu_experts.down_gemm(ws.h, a["w2"], ws.y, shape, options)
     if ws.dispatch is None:
         _gpu_experts.run_by_slot((gate_up, down), ids, ws.slot_positions, shape, ws.plan)
     else:
         _gpu_dispatch.launch(ids, ws.dispatch)
         _gpu_experts.run(gate_up, ws.dispatch, shape, ws.plan)
         _gpu_experts.run(down, ws.dispatch, shape, ws.plan)
-    _gpu_combine.run(ws.y, ws.slot_positions, weights, out, shape)
+    _gpu_combine.run(ws.y, ws.slot_positions, None if options.weight_on_input else weights, out, shape, addend)
     return out

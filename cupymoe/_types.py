@@ -31,3 +31,33 @@ class Dispatch:
     offsets: object  # [E + 1]: exclusive prefix sum of counts; offsets[E] = valid slots
     sorted_slots: object  # [T * k]: valid slots by expert, ascending inside each; then -1
     slot_positions: object  # [T * k]: index of each slot in sorted_slots; -1 for ids not in [0, E)
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertOptions:
+    """How the expert GEMMs differ from a bias-free SwiGLU; each is fused into a GEMM's epilogue."""
+
+    activation: str = "silu"  # one of _contract.ACTIVATIONS, applied to (gate, up)
+    w13_bias: object = None  # [E, 2I], the weights' dtype: added to gate/up before the activation
+    w2_bias: object = None  # [E, H]: added to each expert's output before its routing weight
+    weight_on_input: bool = False  # the routing weight scales the expert's input, not its output
+
+    @property
+    def plain(self) -> bool:
+        """Plain SwiGLU without biases, weights on the output."""
+        return (self.activation == "silu" and self.w13_bias is None and self.w2_bias is None
+                and not self.weight_on_input)
+
+
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """How a router turns each token's logits into its top-k experts and their weights (checked by
+    route.check_routing)."""
+
+    top_k: int  # k
+    scoring: str = "softmax"  # "softmax" over all E, or "sigmoid" per expert
+    renormalize: bool = True  # the k weights divided by their sum (sigmoid: plus 1e-20)
+    num_groups: int = 1  # sigmoid: the experts form this many equal groups ...
+    topk_groups: int = 1  # ... of which the best this many are eligible
+    correction_bias: object = None  # sigmoid: [E] float32, added to the scores for choosing only
+    scaling_factor: float = 1.0  # sigmoid: multiplies the weights last

@@ -24,11 +24,14 @@ def _prepare(xp, a, w13, w2, out):
     return shape
 
 
-def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=True):
+def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=True, activation="silu",
+                  w13_bias=None, w2_bias=None, apply_router_weight_on_input=False):
     """Run the MoE expert layer: route each token through its k experts and combine.
 
-    ``out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]))``
-    with ``e = topk_ids[t, j]``; an id of -1 adds nothing.
+    ``out[t] = sum_j topk_weights[t, j] * (w2[e] @ act(w13[e, :I] @ x[t], w13[e, I:] @ x[t]))``
+    with ``e = topk_ids[t, j]`` and ``act(g, u) = silu(g) * u`` by default; an id of -1 adds
+    nothing. Biases, when given, are added to the gate/up projection before the activation and to
+    each expert's output before its weight multiplies it.
 
     Parameters
     ----------
@@ -48,6 +51,18 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
         When True (default) ids outside [-1, E) raise ValueError; on the GPU the check
         synchronises. When False they are treated as -1 (no synchronisation, safe in
         CUDA graph capture); they never cause an out-of-bounds access either way.
+    activation : {"silu", "gelu", "gelu_tanh", "swigluoai"}
+        ``act(g, u)``: ``silu(g) * u``; ``gelu(g) * u`` (erf); ``gelu_tanh(g) * u`` (the tanh
+        approximation); ``"swigluoai"`` (gpt-oss) ``g' * sigmoid(1.702 g') * (u' + 1)`` with
+        ``g' = min(g, 7)`` and ``u' = clip(u, -7, 7)``. ``w13`` keeps gate rows then up rows for
+        every activation.
+    w13_bias : array [E, 2*I], dtype of ``x``, optional
+        Added to the gate (``[:, :I]``) and up (``[:, I:]``) projections before the activation.
+    w2_bias : array [E, H], dtype of ``x``, optional
+        Added to each expert's output before the routing weight multiplies it.
+    apply_router_weight_on_input : bool
+        When True (Llama-4) the routing weight multiplies the token's input to the expert (the
+        gate/up projection, before its bias), and the expert outputs are summed unweighted.
 
     Returns
     -------
@@ -67,25 +82,25 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
     """
     xp, a = _coerce(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights)
     shape = _prepare(xp, a, a["w13"], a["w2"], out)
+    options = _checks.check_options(activation, w13_bias, w2_bias, apply_router_weight_on_input, a["w13"])
     if xp is np:
-        return _forward_numpy(a, shape, out, check_ids)
+        return _forward_numpy(a, shape, out, check_ids, options)
     from . import _gpu_forward
 
     with a["x"].device:
         workspace = _gpu_forward.Workspace(shape, a["x"].device.id)
-        return _gpu_forward.forward(a, shape, workspace, out, check_ids)
+        return _gpu_forward.forward(a, shape, workspace, out, check_ids, options)
 
 
-def _forward_numpy(a, shape, out, check_ids):
+def _forward_numpy(a, shape, out, check_ids, options, addend=None):
     if check_ids:
         _checks.check_ids_in_range(a["topk_ids"], shape.experts)
     if out is None:
         out = np.empty((shape.tokens, shape.hidden), shape.dtype)
     if shape.tokens == 0:
         return out
-    return reference.fused_experts(
-        np.ascontiguousarray(a["x"]), a["w13"], a["w2"], a["topk_ids"], a["topk_weights"], out
-    )
+    return reference.fused_experts(np.ascontiguousarray(a["x"]), a["w13"], a["w2"], a["topk_ids"],
+                                   a["topk_weights"], out, options, addend)
 
 
 class MoE:
@@ -102,6 +117,8 @@ class MoE:
     ----------
     w13 : array [E, 2*I, H], bfloat16 or float16, C-contiguous
     w2 : array [E, H, I], dtype of ``w13``, C-contiguous
+    activation, w13_bias, w2_bias, apply_router_weight_on_input
+        As for :func:`fused_experts`, held by the layer.
 
     Notes
     -----
@@ -112,7 +129,8 @@ class MoE:
     own layer.
     """
 
-    def __init__(self, w13, w2):
+    def __init__(self, w13, w2, *, activation="silu", w13_bias=None, w2_bias=None,
+                 apply_router_weight_on_input=False):
         xp, a = _coerce(w13=w13, w2=w2)
         self.num_experts, self.intermediate_size, self.hidden_size, self.dtype = (
             _checks.check_weights(a["w13"], a["w2"])
@@ -120,6 +138,7 @@ class MoE:
         self._xp = xp
         self.w13 = a["w13"]
         self.w2 = a["w2"]
+        self.options = _checks.check_options(activation, w13_bias, w2_bias, apply_router_weight_on_input, self.w13)
         self._workspaces = _workspaces.WorkspaceCache()  # (T, k) -> (Workspace, owned output array)
 
     def free_workspaces(self) -> None:
@@ -130,6 +149,10 @@ class MoE:
 
     def __call__(self, x, topk_ids, topk_weights, *, out=None, check_ids=True):
         """Run the layer; arguments, return value and errors as for :func:`fused_experts`."""
+        return self.run(x, topk_ids, topk_weights, out, check_ids)
+
+    def run(self, x, topk_ids, topk_weights, out, check_ids, addend=None):
+        """The forward, with ``addend`` [T, H] (checked by the caller) added in the combine."""
         xp, a = _coerce(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
         if xp is not self._xp:
             raise TypeError(
@@ -144,7 +167,7 @@ class MoE:
         shape = _prepare(xp, a, self.w13, self.w2, out)
         a.update(w13=self.w13, w2=self.w2)
         if xp is np:
-            return _forward_numpy(a, shape, out, check_ids)
+            return _forward_numpy(a, shape, out, check_ids, self.options, addend)
         from . import _gpu_forward
 
         with self.w13.device:
@@ -153,4 +176,5 @@ class MoE:
                 lambda: (_gpu_forward.Workspace(shape, self.w13.device.id),
                          xp.empty((shape.tokens, shape.hidden), shape.dtype)),
                 captured=xp.cuda.get_current_stream().is_capturing())
-            return _gpu_forward.forward(a, shape, workspace, owned if out is None else out, check_ids)
+            return _gpu_forward.forward(a, shape, workspace, owned if out is None else out, check_ids,
+                                        self.options, addend)

@@ -14,12 +14,35 @@ import functools
 from dataclasses import dataclass, replace
 
 from . import _checks
-from ._contract import K_TILE, PRODUCER_THREADS, STAGED_SLOTS
+from ._contract import (ACTIVATIONS, EPILOGUE_BIAS, EPILOGUE_INPUT_WEIGHT, K_TILE, PRODUCER_THREADS,
+                        STAGED_SLOTS)
+from ._types import ExpertOptions
 
 WGMMA_COMPUTE_CAPABILITY = 90
 MMA, PERSISTENT, SLOT = "mma", "persistent", "slot"
 SOURCES = {MMA: "expert_gemm.cu", PERSISTENT: "expert_gemm_ws.cu", SLOT: "expert_gemm.cu"}
 ID_TYPES = {"int32": "int", "int64": "long long"}  # slot_gemm's IdT, by the ids' dtype name
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """A GEMM epilogue's template arguments: the activation's index in _contract.ACTIVATIONS (gate/up
+    only) and the flags of what it adds (_contract.EPILOGUE_BIAS, EPILOGUE_INPUT_WEIGHT)."""
+
+    activation: int = 0
+    flags: int = 0
+
+    @classmethod
+    def of(cls, options: ExpertOptions, gated: bool) -> Epilogue:
+        """The epilogue of one GEMM of a forward with ``options``."""
+        if not gated:
+            return cls(0, EPILOGUE_BIAS if options.w2_bias is not None else 0)
+        flags = (EPILOGUE_BIAS if options.w13_bias is not None else 0) | (
+            EPILOGUE_INPUT_WEIGHT if options.weight_on_input else 0)
+        return cls(ACTIVATIONS.index(options.activation), flags)
+
+
+PLAIN = Epilogue()  # SwiGLU, no bias, the routing weights on the output
 
 
 @dataclass(frozen=True)
@@ -62,15 +85,15 @@ class GemmConfig:
         staging = 2 * STAGED_SLOTS * (self.block_n + 16)  # the epilogue's: each consumer's half of the columns
         return stages + 1024 + barriers + staging
 
-    def name_expression(self, dtype, gated: bool, id_type: str = "int") -> str:
+    def name_expression(self, dtype, gated: bool, id_type: str = "int", epilogue: Epilogue = PLAIN) -> str:
         """The kernel's template instantiation; ``id_type`` (an ID_TYPES value) only for SLOT."""
         tag = "bf16" if dtype == _checks.BFLOAT16 else "f16"
-        flag = "true" if gated else "false"
+        tail = f"{'true' if gated else 'false'},{epilogue.activation},{epilogue.flags}"
         if self.kernel == PERSISTENT:
-            return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{self.k_group},{flag}>"
+            return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{self.k_group},{tail}>"
         name, types = ("slot_gemm", f"{tag},{id_type}") if self.kernel == SLOT else ("expert_gemm", tag)
         return (f"{name}<{types},{self.block_m},{self.block_n},{self.warps_m},{self.warps_n},"
-                f"{self.stages},{self.k_group},{flag}>")
+                f"{self.stages},{self.k_group},{tail}>")
 
 
 @dataclass(frozen=True)
@@ -239,15 +262,16 @@ def fitted(chosen: Plan, hidden: int, intermediate: int, shared_limit: int) -> P
 
 
 @functools.lru_cache(maxsize=None)  # every launch asks; building the list takes ~20 us
-def name_expressions(source: str, dtype) -> tuple:
-    """Every instantiation in ``source`` the plans use on sm_80 and sm_90 for one dtype (one module)."""
+def name_expressions(source: str, dtype, gated: bool, epilogue: Epilogue = PLAIN) -> tuple:
+    """Every instantiation of one GEMM in ``source`` that the plans use on sm_80 and sm_90, for one
+    dtype and epilogue (one module)."""
     names = []
     for p in PLANS:
-        for cfg, gated in ((p.gate_up, True), (p.down, False)):
-            for variant in (cfg, _fit(cfg, LARGE.gate_up if gated else LARGE.down, K_TILE)):
-                if variant.source == source:
-                    # one name, or slot_gemm's for each id type
-                    names += [variant.name_expression(dtype, gated, i) for i in ID_TYPES.values()]
+        cfg = p.gate_up if gated else p.down
+        for variant in (cfg, _fit(cfg, LARGE.gate_up if gated else LARGE.down, K_TILE)):
+            if variant.source == source:
+                # one name, or slot_gemm's for each id type
+                names += [variant.name_expression(dtype, gated, i, epilogue) for i in ID_TYPES.values()]
     return tuple(dict.fromkeys(names))
 
 

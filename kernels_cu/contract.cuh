@@ -19,3 +19,14 @@ constexpr int TILE_MAP_TOTAL = CUPYMOE_TILE_MAP_TOTAL;
 constexpr int TILE_MAP_COUNTER = CUPYMOE_TILE_MAP_COUNTER;
 constexpr int TILE_MAP_PLAN = CUPYMOE_TILE_MAP_PLAN;
 constexpr int TILE_MAP_EXTRA = CUPYMOE_TILE_MAP_EXTRA;
+constexpr int ROUTE_MAX_GROUPS = CUPYMOE_ROUTE_MAX_GROUPS;  // route_sigmoid's expert groups, at most
+// The gate/up activations (their order in cupymoe/_contract.py's ACTIVATIONS) and swigluoai's constants.
+constexpr int ACT_SILU = CUPYMOE_ACT_SILU;
+constexpr int ACT_GELU = CUPYMOE_ACT_GELU;
+constexpr int ACT_GELU_TANH = CUPYMOE_ACT_GELU_TANH;
+constexpr int ACT_SWIGLUOAI = CUPYMOE_ACT_SWIGLUOAI;
+constexpr float SWIGLUOAI_LIMIT = CUPYMOE_SWIGLUOAI_LIMIT;
+constexpr float SWIGLUOAI_ALPHA = CUPYMOE_SWIGLUOAI_ALPHA;
+// Flags of an expert GEMM's EPILOGUE: a bias per expert and column; the routing weight on the input.
+constexpr int EPILOGUE_BIAS = CUPYMOE_EPILOGUE_BIAS;
+constexpr int EPILOGUE_INPUT_WEIGHT = CUPYMOE_EPILOGUE_INPUT_WEIGHT;

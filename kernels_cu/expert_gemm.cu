@@ -3,7 +3,8 @@
 // K streams through a STAGES-deep cp.async pipeline whose stages hold KG consecutive K-tiles each, so
 // a weight row is read KG * 128 contiguous bytes at a time (DRAM streams 128-byte pieces of many rows
 // a few percent slower); fragments come from shared memory by ldmatrix.
-// GATED blocks keep gate and up accumulators for the same columns and write h = silu(gate) * up.
+// GATED blocks keep gate and up accumulators for the same columns and write h = act(gate, up);
+// epilogue.cuh adds the biases and the routing weight on the input (the EPILOGUE flags).
 // Two kernels compute such tiles:
 //   expert_gemm: the tiles of the dispatch's m-tile map, one per block from a grid of all tiles;
 //                from a smaller grid (one wave, for a launch that may not be the dispatch's choice,
@@ -15,6 +16,7 @@
 //                A and C rows are in slot order (h and y [T * k, N]). Its down GEMM (!GATED) also
 //                writes the combine's slot_positions: the slot, or -1 where the id is outside
 //                [0, E). The tiles are expert_gemm's, so are the bits.
+#include "epilogue.cuh"
 #include "expert_tiles.cuh"
 
 // The warp tiles of a block's BM x BN tile: WM x WN warps of WTM x WTN, each MI x NI m16n8 MMAs.
@@ -26,12 +28,14 @@ struct WarpTiles {
   static_assert(MI >= 1 && NI >= 2 && NI % 2 == 0 && WTM % 16 == 0, "warp tile shape");
 };
 
-// The epilogue: writes the tile's valid rows of a warp's accumulators (GATED: silu(gate) * up),
-// C's row r at order[r] when SLOT_ORDER, else at the tile's slot_base + r.
-template <class T, int BM, int BN, int WM, int WN, bool GATED, bool SLOT_ORDER, class Acc, class AccUp>
+// The epilogue (epilogue.cuh): writes the tile's valid rows of a warp's accumulators, gate/up
+// through the activation, C's row r at order[r] when SLOT_ORDER, else at the tile's slot_base + r.
+// Gate/up's row r is the slot order[slot_base + r] (SLOT_ORDER: slot_base 0).
+template <class T, int BM, int BN, int WM, int WN, bool GATED, int ACT, int EPILOGUE, bool SLOT_ORDER, class Acc,
+          class AccUp>
 __device__ __forceinline__ void store_tile(const Acc& acc, const AccUp& acc_up, u16* __restrict__ c, const Tile& tile,
                                            const int* __restrict__ order, int n_out, int warp_m, int warp_n,
-                                           int lane) {
+                                           int lane, const EpilogueArgs& epilogue) {
   using W = WarpTiles<BM, BN, WM, WN>;
 #pragma unroll
   for (int mi = 0; mi < W::MI; ++mi) {
@@ -39,14 +43,28 @@ __device__ __forceinline__ void store_tile(const Acc& acc, const AccUp& acc_up, 
     for (int half = 0; half < 2; ++half) {
       const int r = warp_m * W::WTM + mi * 16 + (lane >> 2) + half * 8;
       if (r >= tile.rows) continue;
+      float weight = 1.0f;
+      if constexpr (GATED && (EPILOGUE & EPILOGUE_INPUT_WEIGHT)) weight = epilogue.slot_weights[order[tile.slot_base + r]];
 #pragma unroll
       for (int ni = 0; ni < W::NI; ++ni) {
         float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
-        if constexpr (GATED) {
-          v0 = silu(v0) * acc_up[mi][ni][2 * half];
-          v1 = silu(v1) * acc_up[mi][ni][2 * half + 1];
-        }
         const int col = warp_n * W::WTN + ni * 8 + (lane & 3) * 2;
+        if constexpr (GATED) {
+          float u0 = acc_up[mi][ni][2 * half], u1 = acc_up[mi][ni][2 * half + 1];
+          if constexpr (EPILOGUE & EPILOGUE_INPUT_WEIGHT) {
+            v0 *= weight, v1 *= weight, u0 *= weight, u1 *= weight;
+          }
+          if constexpr (EPILOGUE & EPILOGUE_BIAS) {
+            const float2 gate = bias_pair<T>(epilogue.bias, tile.expert, 2 * n_out, tile.n0 + col);
+            const float2 up = bias_pair<T>(epilogue.bias, tile.expert, 2 * n_out, n_out + tile.n0 + col);
+            v0 += gate.x, v1 += gate.y, u0 += up.x, u1 += up.y;
+          }
+          v0 = activate<ACT>(v0, u0);
+          v1 = activate<ACT>(v1, u1);
+        } else if constexpr (EPILOGUE & EPILOGUE_BIAS) {
+          const float2 bias = bias_pair<T>(epilogue.bias, tile.expert, n_out, tile.n0 + col);
+          v0 += bias.x, v1 += bias.y;
+        }
         store_pair<T>(c, tile, SLOT_ORDER ? order[r] : r, n_out, col, v0, v1);
       }
     }
@@ -57,11 +75,12 @@ __device__ __forceinline__ void store_tile(const Acc& acc, const AccUp& acc_up, 
 // of KG K-tiles each (the last group may be short), multiplying each stage once it has landed;
 // then the epilogue. ``order`` as RowGather reads it; SLOT_ORDER: C's row r is order[r]
 // (slot_base 0), else slot_base + r.
-template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED, bool SLOT_ORDER>
+template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE,
+          bool SLOT_ORDER>
 __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restrict__ a,
                                           const int* __restrict__ order, int top_k,
                                           const u16* __restrict__ w, int n_out, int k_dim,
-                                          u16* __restrict__ c) {
+                                          u16* __restrict__ c, const EpilogueArgs& epilogue) {
   using W = WarpTiles<BM, BN, WM, WN>;
   using F = Float16Traits<T>;
   using Loader = TileLoader<BM, BN, W::THREADS, GATED>;
@@ -131,17 +150,18 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
     }
   }
   cp_async_wait<0>();
-  store_tile<T, BM, BN, WM, WN, GATED, SLOT_ORDER>(acc, acc_up, c, tile, order, n_out, warp_m, warp_n, lane);
+  store_tile<T, BM, BN, WM, WN, GATED, ACT, EPILOGUE, SLOT_ORDER>(acc, acc_up, c, tile, order, n_out, warp_m, warp_n,
+                                                                   lane, epilogue);
 }
 
 // Shared memory bounds the occupancy of both kernels; without the 1, ptxas holds them to fewer
 // registers and spills.
-template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED>
+template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE>
 __global__ void __launch_bounds__(WM * WN * 32, 1)
 expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
             const u16* __restrict__ w, const int* __restrict__ offsets,
             int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
-            u16* __restrict__ c) {
+            u16* __restrict__ c, EpilogueArgs epilogue) {
   if (!plan_chosen(tile_offsets, num_experts, plan)) return;
   const bool one_each = gridDim.x >= tile_total(tile_offsets, num_experts) * (n_out / BN);
   __shared__ int claimed;
@@ -149,8 +169,8 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
     Tile tile;
     if (!find_tile<BM, BN>(work, offsets, tile_offsets, num_experts, n_out, tile)) return;
     // down's rows of h are its tiles' positions
-    gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, false>(tile, a, GATED ? sorted_slots : nullptr, top_k, w,
-                                                           n_out, k_dim, c);
+    gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, ACT, EPILOGUE, false>(
+        tile, a, GATED ? sorted_slots : nullptr, top_k, w, n_out, k_dim, c, epilogue);
     if (one_each) return;
     if (threadIdx.x == 0) claimed = gridDim.x + atomicAdd(tile_counter(tile_offsets, num_experts), 1);
     __syncthreads();  // also: every warp is done with this tile's stages before the next one's loads
@@ -179,11 +199,11 @@ __device__ __forceinline__ int tile_slots(const IdT* __restrict__ ids, int num_s
   return min(count, BM);
 }
 
-template <class T, class IdT, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED>
+template <class T, class IdT, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE>
 __global__ void __launch_bounds__(WM * WN * 32, 1)
 slot_gemm(const u16* __restrict__ a, const IdT* __restrict__ ids, int num_slots, int top_k,
           const u16* __restrict__ w, int num_experts, int n_out, int k_dim, u16* __restrict__ c,
-          int* __restrict__ slot_positions) {
+          int* __restrict__ slot_positions, EpilogueArgs epilogue) {
   const int n_tiles = n_out / BN;
   const int slot = blockIdx.x / n_tiles, n_tile = blockIdx.x % n_tiles;
   const int expert = expert_of(ids, slot, num_experts);
@@ -197,6 +217,6 @@ slot_gemm(const u16* __restrict__ a, const IdT* __restrict__ ids, int num_slots,
   }
   __syncthreads();
   if (row_count == 0) return;
-  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, true>(Tile{expert, 0, row_count, n_tile * BN}, a, rows, top_k,
-                                                        w, n_out, k_dim, c);
+  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, ACT, EPILOGUE, true>(Tile{expert, 0, row_count, n_tile * BN}, a,
+                                                                       rows, top_k, w, n_out, k_dim, c, epilogue);
 }

@@ -7,8 +7,8 @@
 // empty mbarriers; a tile's first stage carries its coordinates. Warpgroups 1 and 2 consume: each
 // owns 128 of the weight rows as two m64 blocks and multiplies them by the tile's slots (m64nNk16,
 // N = SLOTS, or less for an expert's last, short chunk: rows rounded up to 32), so an expert's few
-// rows do not pad the MMA to all SLOTS. Gate/up pairs each gate block with its up block, so SwiGLU
-// has both in one thread.
+// rows do not pad the MMA to all SLOTS. Gate/up pairs each gate block with its up block, so the
+// activation has both in one thread.
 // A stage holds KG K-tiles. KG = 1: one K-tile of all 256 weight rows, which both consumers read,
 // each keeping one stage of MMAs in flight. KG = 2: two K-tiles of one consumer's 128 rows, the
 // consumers taking alternate stages of an even ring, each freeing its stage once its MMAs retire
@@ -17,6 +17,7 @@
 // No warp waits on a block-wide barrier, and the producer fills the next tile's stages while the
 // consumers run the epilogue. Each tile is computed by one block in a fixed K order, so which
 // block claims it does not change a bit of the result.
+#include "epilogue.cuh"
 #include "expert_tiles.cuh"
 #include "mbarrier.cuh"
 #include "tma.cuh"
@@ -37,8 +38,9 @@ constexpr int SWIZZLE_ALIGN = 1024;  // the 128-byte swizzle repeats every 8 row
 constexpr int PRODUCER_BARRIER = 1;        // named barrier of the producer's threads
 constexpr int FIRST_CONSUMER_BARRIER = 2;  // consumer c's epilogue uses named barrier 2 + c
 
-// One consumer's share of a tile: accumulators, MMAs and epilogue.
-template <class T, int SLOTS, int KG, bool GATED>
+// One consumer's share of a tile: accumulators, MMAs and epilogue (epilogue.cuh's, for ACT and
+// EPILOGUE).
+template <class T, int SLOTS, int KG, bool GATED, int ACT = ACT_SILU, int EPILOGUE = 0>
 struct ConsumerTile {
   static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns per tile
   static constexpr int COLUMNS = BN / CONSUMERS;                    // ... per consumer
@@ -69,23 +71,41 @@ struct ConsumerTile {
 
   // The accumulators' rows are output columns: stmatrix transposes them into this consumer's
   // staging rows, STAGED_SLOTS slots at a time, which its warpgroup writes out in 16-byte pieces.
-  __device__ __forceinline__ void store(u16* c, const Tile& tile, int consumer, int n_out, unsigned char* staging) const {
+  // ``order``: the sorted slots (gate/up's row r of the tile is slot order[slot_base + r]).
+  __device__ __forceinline__ void store(u16* c, const Tile& tile, int consumer, int n_out, unsigned char* staging,
+                                        const EpilogueArgs& epilogue, const int* order) const {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, m = lane >> 3;
     // Matrix m of each stmatrix: (8-slot step, half) for gate/up, (block, half) for down.
     const int half = m & 1, step = GATED ? m >> 1 : 0, block = GATED ? 0 : m >> 1;
     const u32 lane_row = smem_addr(staging) + (8 * step + (lane & 7)) * PITCH + (block * 64 + 16 * warp + 8 * half) * 2;
     constexpr int CHUNKS = COLUMNS / 8;  // 16-byte pieces per slot row
     const int barrier = FIRST_CONSUMER_BARRIER + consumer;
+    // The biases of this thread's accumulator rows, as 16-bit pairs (half 0 low, half 1 high) to
+    // spare registers: gate/up [gate, up], down [block].
+    u32 bias[2] = {};
+    if constexpr (EPILOGUE & EPILOGUE_BIAS) {
+      const int first = tile.n0 + consumer * COLUMNS + 16 * warp + (lane >> 2);  // the column of row 0 of block 0
+      const int width = GATED ? 2 * n_out : n_out;
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const u16* row = epilogue.bias + (long long)tile.expert * width + first + (GATED ? b * n_out : BLOCK_ROWS * b);
+        bias[b] = u32(row[0]) | (u32(row[8]) << 16);
+      }
+    }
 #pragma unroll
     for (int pass = 0; pass < SLOTS / STAGED_SLOTS; ++pass) {
       if (pass * STAGED_SLOTS >= tile.rows) break;
 #pragma unroll
       for (int j = 0; j < STAGED_SLOTS / 8; j += GATED ? 2 : 1) {
         const int i = pass * STAGED_SLOTS / 8 + j;
-        if constexpr (GATED)
-          stmatrix_x4_trans(lane_row + 8 * j * PITCH, swiglu(i, 0), swiglu(i, 1), swiglu(i + 1, 0), swiglu(i + 1, 1));
-        else
-          stmatrix_x4_trans(lane_row + 8 * j * PITCH, pair(0, i, 0), pair(0, i, 1), pair(1, i, 0), pair(1, i, 1));
+        if constexpr (GATED) {
+          const float2 w0 = slot_weights(i, tile, epilogue, order), w1 = slot_weights(i + 1, tile, epilogue, order);
+          stmatrix_x4_trans(lane_row + 8 * j * PITCH, activated(i, 0, w0, bias), activated(i, 1, w0, bias),
+                            activated(i + 1, 0, w1, bias), activated(i + 1, 1, w1, bias));
+        } else {
+          stmatrix_x4_trans(lane_row + 8 * j * PITCH, pair(0, i, 0, bias), pair(0, i, 1, bias), pair(1, i, 0, bias),
+                            pair(1, i, 1, bias));
+        }
       }
       named_barrier_sync(barrier, WARPGROUP_THREADS);
       for (int piece = threadIdx.x % WARPGROUP_THREADS; piece < STAGED_SLOTS * CHUNKS; piece += WARPGROUP_THREADS) {
@@ -120,13 +140,37 @@ struct ConsumerTile {
     }
   }
 
-  // Slots 8i + 2 (lane % 4) + {0, 1} of weight row r + 8 half of an accumulator, packed.
-  __device__ __forceinline__ u32 pair(int block, int i, int half) const {
-    return Float16Traits<T>::pack(acc[block][4 * i + 2 * half], acc[block][4 * i + 2 * half + 1]);
+  // The bias of row r + 8 half from a pair of store()'s.
+  static __device__ __forceinline__ float bias_of(u32 pair, int half) {
+    return Float16Traits<T>::to_float(u16(half ? pair >> 16 : pair & 0xffffu));
   }
-  __device__ __forceinline__ u32 swiglu(int i, int half) const {
+  // Slots 8i + 2 (lane % 4) + {0, 1} of weight row r + 8 half of an accumulator, with its bias, packed.
+  __device__ __forceinline__ u32 pair(int block, int i, int half, const u32 (&bias)[2]) const {
+    float v0 = acc[block][4 * i + 2 * half], v1 = acc[block][4 * i + 2 * half + 1];
+    if constexpr (EPILOGUE & EPILOGUE_BIAS) v0 += bias_of(bias[block], half), v1 += bias_of(bias[block], half);
+    return Float16Traits<T>::pack(v0, v1);
+  }
+  // The same slots of gate/up row r + 8 half through the activation, their weights on the input.
+  __device__ __forceinline__ u32 activated(int i, int half, float2 weights, const u32 (&bias)[2]) const {
     const int v = 4 * i + 2 * half;
-    return Float16Traits<T>::pack(silu(acc[0][v]) * acc[1][v], silu(acc[0][v + 1]) * acc[1][v + 1]);
+    float g0 = acc[0][v], g1 = acc[0][v + 1], u0 = acc[1][v], u1 = acc[1][v + 1];
+    if constexpr (EPILOGUE & EPILOGUE_INPUT_WEIGHT) g0 *= weights.x, u0 *= weights.x, g1 *= weights.y, u1 *= weights.y;
+    if constexpr (EPILOGUE & EPILOGUE_BIAS) {
+      const float gate = bias_of(bias[0], half), up = bias_of(bias[1], half);
+      g0 += gate, g1 += gate, u0 += up, u1 += up;
+    }
+    return Float16Traits<T>::pack(activate<ACT>(g0, u0), activate<ACT>(g1, u1));
+  }
+  // The routing weights of slots 8i + 2 (lane % 4) + {0, 1} of the tile (EPILOGUE_INPUT_WEIGHT).
+  __device__ __forceinline__ float2 slot_weights(int i, const Tile& tile, const EpilogueArgs& epilogue,
+                                                 const int* order) const {
+    float2 weights = make_float2(1.0f, 1.0f);
+    if constexpr (EPILOGUE & EPILOGUE_INPUT_WEIGHT) {
+      const int slot = 8 * i + 2 * (threadIdx.x & 3);
+      weights.x = slot < tile.rows ? epilogue.slot_weights[order[tile.slot_base + slot]] : 0.0f;
+      weights.y = slot + 1 < tile.rows ? epilogue.slot_weights[order[tile.slot_base + slot + 1]] : 0.0f;
+    }
+    return weights;
   }
 };
 
@@ -225,11 +269,12 @@ __device__ __forceinline__ Tile read_by_leader(const Tile& shared, bool warp_lea
 
 // Warpgroups 1 and 2: for each tile the stages bring, its MMAs stage by stage, each stage freed
 // once its MMAs retire, then the epilogue; until a stage says there are no more tiles.
-template <class T, int SLOTS, int STAGES, int KG, bool GATED>
+template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE>
 __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, u16* __restrict__ c, int n_out,
                                         u32 s_a, u32 s_b, u32 full, u32 empty, const Tile* stage_tile,
-                                        unsigned char* staging) {
-  using Consumer = ConsumerTile<T, SLOTS, KG, GATED>;
+                                        unsigned char* staging, const EpilogueArgs& epilogue,
+                                        const int* __restrict__ sorted_slots) {
+  using Consumer = ConsumerTile<T, SLOTS, KG, GATED, ACT, EPILOGUE>;
   using Layout = WsLayout<SLOTS, STAGES, KG, GATED>;
   int stage = 0;
   u32 phase = 0;  // parity of the stage's current round
@@ -261,16 +306,16 @@ __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, 
     }
     wgmma_wait<0>();
     if (KG == 1 && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * previous);
-    tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES);
+    tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES, epilogue, sorted_slots);
   }
 }
 
-template <class T, int SLOTS, int STAGES, int KG, bool GATED>
+template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE>
 __global__ void __launch_bounds__(PRODUCER_THREADS + CONSUMERS * WARPGROUP_THREADS, 1)
 expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                const __grid_constant__ TensorMap w_map, const int* __restrict__ offsets,
                int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
-               u16* __restrict__ c) {
+               u16* __restrict__ c, EpilogueArgs epilogue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   if (!plan_chosen(tile_offsets, num_experts, plan)) return;
   static_assert(KG == 1 || KG == 2, "a stage holds all weight rows of one K-tile or a consumer's of two");
@@ -305,8 +350,8 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
     return;
   }
   warpgroup_registers_inc<CONSUMER_REGISTERS>();
-  consume<T, SLOTS, STAGES, KG, GATED>((threadIdx.x >> 7) - 1, k_tiles, k_steps, c, n_out, s_a, s_b, full, empty,
-                                       stage_tile, staging);
+  consume<T, SLOTS, STAGES, KG, GATED, ACT, EPILOGUE>((threadIdx.x >> 7) - 1, k_tiles, k_steps, c, n_out, s_a, s_b,
+                                                      full, empty, stage_tile, staging, epilogue, sorted_slots);
 #else
   __trap();  // compiled for a GPU without wgmma: the host never launches this
 #endif

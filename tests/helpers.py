@@ -1,5 +1,7 @@
 """Shared test helpers: random problems, an independent float64 oracle, error metrics, and the
 tolerances and bad values every test file uses."""
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -50,7 +52,20 @@ def random_problem(rng, tokens, hidden, experts, inter, top_k, dtype=BF16, routi
     return x, w13, w2, ids, weights.astype(np.float32)
 
 
-def oracle(x, w13, w2, topk_ids, topk_weights):
+def oracle_activation(activation, g, u):
+    """act(g, u) in float64, from each family's definition."""
+    if activation == "silu":
+        return g / (1.0 + np.exp(-g)) * u
+    if activation == "gelu":
+        return 0.5 * g * (1.0 + np.vectorize(math.erf)(g / math.sqrt(2.0))) * u
+    if activation == "gelu_tanh":
+        return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3))) * u
+    assert activation == "swigluoai"
+    g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+    return g / (1.0 + np.exp(-1.702 * g)) * (u + 1.0)
+
+
+def oracle(x, w13, w2, topk_ids, topk_weights, activation="silu", w13_bias=None, w2_bias=None, on_input=False):
     """float64 loop over tokens and slots, written independently of cupymoe.reference."""
     x64 = x.astype(np.float64)
     inter = w13.shape[1] // 2
@@ -60,11 +75,18 @@ def oracle(x, w13, w2, topk_ids, topk_weights):
             e = int(topk_ids[t, j])
             if e < 0 or e >= w13.shape[0]:
                 continue
+            weight = float(topk_weights[t, j])
+            xt = x64[t] * weight if on_input else x64[t]
             w = w13[e].astype(np.float64)
-            g = w[:inter] @ x64[t]
-            u = w[inter:] @ x64[t]
-            h = g / (1.0 + np.exp(-g)) * u
-            out[t] += float(topk_weights[t, j]) * (w2[e].astype(np.float64) @ h)
+            g = w[:inter] @ xt
+            u = w[inter:] @ xt
+            if w13_bias is not None:
+                g = g + w13_bias[e, :inter].astype(np.float64)
+                u = u + w13_bias[e, inter:].astype(np.float64)
+            y = w2[e].astype(np.float64) @ oracle_activation(activation, g, u)
+            if w2_bias is not None:
+                y = y + w2_bias[e].astype(np.float64)
+            out[t] += y if on_input else weight * y
     return out
 
 

@@ -4,16 +4,24 @@ import re
 import pytest
 
 from cupymoe import _checks, _compile, _gpu_combine, _gpu_dispatch, _gpu_route, plans
+from cupymoe._contract import ACTIVATIONS, EPILOGUE_BIAS, EPILOGUE_INPUT_WEIGHT
 
 pytest.importorskip("cupy")
 
+GEMM_SOURCES = tuple(dict.fromkeys(plans.SOURCES.values()))
+# Each source's modules once (compiled a second time in one process, CUDA 13's NVRTC gave an empty
+# log): the plain epilogue for both dtypes, and on bf16 every activation with every flag (the most
+# registers an epilogue asks for) and down's bias.
+EPILOGUES = [(True, plans.Epilogue(a, EPILOGUE_BIAS | EPILOGUE_INPUT_WEIGHT)) for a in range(len(ACTIVATIONS))]
+EPILOGUES.append((False, plans.Epilogue(0, EPILOGUE_BIAS)))
 MODULES = [
     (_gpu_dispatch.SOURCE, _gpu_dispatch.NAMES),
     (_gpu_combine.SOURCE, _gpu_combine.NAMES),
     (_gpu_route.SOURCE, _gpu_route.NAMES),
-] + [(source, plans.name_expressions(source, dtype))  # each source once: compiled a second time
-     for source in dict.fromkeys(plans.SOURCES.values())  # in one process, CUDA 13's NVRTC gave an empty log
-     for dtype in (_checks.BFLOAT16, _checks.FLOAT16)]
+] + [(source, plans.name_expressions(source, dtype, gated))
+     for source in GEMM_SOURCES for dtype in (_checks.BFLOAT16, _checks.FLOAT16) for gated in (True, False)
+     ] + [(source, plans.name_expressions(source, _checks.BFLOAT16, gated, epilogue))
+          for source in GEMM_SOURCES for gated, epilogue in EPILOGUES]
 
 
 def _small_shared_memory_names(dtype):
@@ -23,7 +31,7 @@ def _small_shared_memory_names(dtype):
         p = plans.plan(tokens, 8, 256, 4096, 1024, 86, plans.SHARED_LIMIT_SMALLEST)
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
             name = cfg.name_expression(dtype, gated)
-            if name not in plans.name_expressions(cfg.source, dtype):
+            if name not in plans.name_expressions(cfg.source, dtype, gated):
                 names.append(name)
     return tuple(dict.fromkeys(names))
 

@@ -40,7 +40,7 @@ def test_sm80_sm90_and_sm100_plans_are_precompiled(cc):
         p = plans.plan(tokens, 8, 256, hidden, inter, cc, SHARED_LIMITS[cc])
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
             for dtype in (_checks.BFLOAT16, _checks.FLOAT16):
-                assert cfg.name_expression(dtype, gated) in plans.name_expressions(cfg.source, dtype)
+                assert cfg.name_expression(dtype, gated) in plans.name_expressions(cfg.source, dtype, gated)
 
 
 def test_small_shared_memory_cuts_stages_only():
@@ -141,7 +141,7 @@ def test_160_slot_plan_stands_by_for_skewed_routing_on_sm90():
 def test_skewed_plans_fit_and_are_precompiled(cc, hidden, inter, p):
     test_configs_fit_the_problem_and_the_gpu(cc, hidden, inter, p.skewed)
     for cfg, gated in ((p.skewed.gate_up, True), (p.skewed.down, False)):
-        assert cfg.name_expression(_checks.BFLOAT16, gated) in plans.name_expressions(cfg.source, _checks.BFLOAT16)
+        assert cfg.name_expression(_checks.BFLOAT16, gated) in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated)
 
 
 def test_forced_plan_is_used_and_restored():
