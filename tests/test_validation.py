@@ -254,6 +254,66 @@ def test_route_bad_input(logits, top_k, error, match):
         cupymoe.route(logits, top_k)
 
 
+ROUTE_LOGITS = np.zeros((2, 16), np.float32)
+BAD_ROUTE_OPTIONS = [
+    pytest.param(dict(scoring="softplus"), ValueError, "scoring", id="scoring"),
+    pytest.param(dict(num_groups=4), ValueError, "num_groups", id="groups-with-softmax"),
+    pytest.param(dict(correction_bias=np.zeros(16, np.float32)), ValueError, "correction_bias", id="bias-softmax"),
+    pytest.param(dict(scaling_factor=2.0), ValueError, "scaling_factor", id="scaling-with-softmax"),
+    pytest.param(dict(scoring="sigmoid", num_groups=3), ValueError, "num_groups", id="groups-not-dividing"),
+    pytest.param(dict(scoring="sigmoid", num_groups=16), ValueError, "num_groups", id="group-of-one"),
+    pytest.param(dict(scoring="sigmoid", num_groups=0), ValueError, "num_groups", id="groups-0"),
+    pytest.param(dict(scoring="sigmoid", num_groups=2.0), TypeError, "num_groups", id="groups-float"),
+    pytest.param(dict(scoring="sigmoid", num_groups=4, topk_groups=5), ValueError, "topk_groups", id="kept-above"),
+    pytest.param(dict(scoring="sigmoid", num_groups=4, topk_groups=0), ValueError, "topk_groups", id="kept-0"),
+    pytest.param(dict(scoring="sigmoid", top_k=5, num_groups=4, topk_groups=1), ValueError, "top_k",
+                 id="k-above-kept-experts"),
+    pytest.param(dict(scoring="sigmoid", correction_bias=np.zeros(15, np.float32)), ValueError, "correction_bias",
+                 id="bias-shape"),
+    pytest.param(dict(scoring="sigmoid", correction_bias=np.zeros(16, BF16)), TypeError, "correction_bias",
+                 id="bias-dtype"),
+    pytest.param(dict(scoring="sigmoid", correction_bias=[0.0] * 16), TypeError, "correction_bias", id="bias-list"),
+    pytest.param(dict(scoring="sigmoid", scaling_factor="2"), TypeError, "scaling_factor", id="scaling-str"),
+]
+
+
+@pytest.mark.parametrize("options,error,match", BAD_ROUTE_OPTIONS)
+def test_route_bad_options(options, error, match):
+    options = dict(options)
+    top_k = options.pop("top_k", 2)
+    with pytest.raises(error, match=leads_with(match)):
+        cupymoe.route(ROUTE_LOGITS, top_k, **options)
+
+
+def test_route_more_groups_than_the_kernel_holds():
+    with pytest.raises(ValueError, match=leads_with("num_groups")):
+        cupymoe.route(np.zeros((2, 128), np.float32), 2, scoring="sigmoid", num_groups=64)
+
+
+BAD_EXPERT_OPTIONS = [
+    pytest.param(dict(activation="relu"), ValueError, "activation", id="activation"),
+    pytest.param(dict(activation=None), ValueError, "activation", id="activation-None"),
+    pytest.param(dict(w13_bias=np.zeros((E, 2 * I), np.float32)), TypeError, "w13_bias", id="w13-bias-f32"),
+    pytest.param(dict(w13_bias=np.zeros((E, I), BF16)), ValueError, "w13_bias", id="w13-bias-shape"),
+    pytest.param(dict(w13_bias=np.zeros((E, 2 * I, 1), BF16)), ValueError, "w13_bias", id="w13-bias-rank"),
+    pytest.param(dict(w2_bias=np.zeros((E, H + 1), BF16)), ValueError, "w2_bias", id="w2-bias-shape"),
+    pytest.param(dict(w2_bias=[[0.0] * H] * E), TypeError, "w2_bias", id="w2-bias-list"),
+    pytest.param(dict(w2_bias=noncontiguous(np.zeros((E, H), BF16))), ValueError, "w2_bias", id="w2-bias-strided"),
+    pytest.param(dict(apply_router_weight_on_input=1), TypeError, "apply_router_weight_on_input", id="on-input-int"),
+]
+
+
+@pytest.mark.parametrize("forward", ["fused_experts", "MoE"])
+@pytest.mark.parametrize("options,error,match", BAD_EXPERT_OPTIONS)
+def test_bad_expert_options(problem, forward, options, error, match):
+    p = problem
+    with pytest.raises(error, match=leads_with(match)):
+        if forward == "MoE":
+            cupymoe.MoE(p["w13"], p["w2"], **options)
+        else:
+            cupymoe.fused_experts(p["x"], p["w13"], p["w2"], p["topk_ids"], p["topk_weights"], **options)
+
+
 # host and GPU arrays mixed
 
 
