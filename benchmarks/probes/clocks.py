@@ -1,7 +1,7 @@
 """The SM clock and board power while one workload runs back to back for a few seconds: a suite
 case's CUDA graph (`python benchmarks/clocks.py u8192`), cuBLAS bf16 8192^3 (`... matmul`) or the
 suite's streaming read of 4 GiB (`... read`). `nvidia-smi` samples every 100 ms; the first five
-samples are dropped. Throttle reason 0x4 is the software power cap. docs/notebook.md has the results: from
+samples are dropped. Throttle reason 0x4 is the software power cap. docs/notes-archive.md has the results: from
 u2048 up the layer runs at the power cap (v13), and what a FLOP and a DRAM byte cost there (v25).
 """
 import subprocess

@@ -1,6 +1,6 @@
 """How fast an H200 streams rows in the expert GEMMs' pattern: blocks reading ROWS rows CHUNK bytes
 at a time through a cp.async pipeline (benchmarks/tiled_read.cu), from DRAM (an [E*2I, H] bf16
-array, L2 flushed) and from L2 (a 24 MiB region read over and over). docs/notebook.md (v12) has the results.
+array, L2 flushed) and from L2 (a 24 MiB region read over and over). docs/notes-archive.md (v12) has the results.
 """
 import sys
 from pathlib import Path

@@ -1,7 +1,7 @@
 """How fast an H200 streams the expert weights by TMA in the persistent GEMM's pattern: 132 blocks,
 each taking 256-row tiles of w13 (128 gate rows and 128 up rows) or w2 (256 rows) stage by stage
 (benchmarks/tma_read.cu), L2 flushed, for each stage layout, depth and L2 promotion of the tensor
-map. docs/notebook.md (v22) has the results.
+map. docs/notes-archive.md (v22) has the results.
 """
 import sys
 from pathlib import Path
