@@ -19,7 +19,7 @@ tests_rc=$?
 tail -n 20 "$out/pytest-gpu.log"
 
 echo "== examples"
-for example in quickstart torch_interop jax_interop; do
+for example in quickstart torch_interop jax_interop family_block; do
   echo "-- $example"
   python3 "examples/$example.py" 2>&1 | tail -n 4
 done | tee "$out/examples.log"
