@@ -14,6 +14,7 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT16 = np.dtype(np.float16)
 FLOAT32 = np.dtype(np.float32)
 ACTIVATION_DTYPES = (BFLOAT16, FLOAT16)
+CUDA_TYPES = {FLOAT32: "float", BFLOAT16: "bf16", FLOAT16: "f16"}  # dtype -> its type in kernels_cu/common.cuh
 ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 SIZE_MULTIPLE = K_TILE  # H and I must be multiples of the kernels' K tile
 GPU_ALIGNMENT = 16  # bytes: where x, the weights and out must start on the GPU
@@ -56,7 +57,8 @@ def as_array(obj, name: str):
     if hasattr(obj, "__cuda_array_interface__"):
         if cupy is None:
             raise TypeError(f"{name}: a CUDA array needs CuPy (pip install 'cupymoe[cuda12]')")
-        return cupy.asarray(obj)
+        a = cupy.asarray(obj)
+        return a.view(BFLOAT16) if a.dtype == np.dtype("V2") else a  # bfloat16's typestr is "<V2"
     raise TypeError(
         f"{name}: expected a NumPy, CuPy or DLPack-capable array, got {type(obj).__name__}"
     )
@@ -106,6 +108,14 @@ def require_aligned(a, name: str) -> None:
             f"{name}: expected data aligned to {GPU_ALIGNMENT} bytes (the kernels move 16 bytes at a "
             f"time), got address 0x{address:x}, a view off that grid; pass a copy"
         )
+
+
+def on_gpu_grid(x):
+    """The GPU array ``x`` contiguous and starting on the 16-byte grid: itself, or a copy."""
+    import cupy
+
+    x = cupy.ascontiguousarray(x)
+    return x.copy() if x.data.ptr % GPU_ALIGNMENT else x
 
 
 def check_weights(w13, w2) -> tuple[int, int, int, np.dtype]:

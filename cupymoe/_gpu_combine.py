@@ -13,7 +13,7 @@ MAX_THREADS = 512
 def run(y, slot_positions, topk_weights, out, shape, addend=None) -> None:
     """out[t] = sum_j topk_weights[t, j] * y[slot_positions[t * k + j]] (j ascending, fp32), plus
     addend[t] when given; ``topk_weights`` None weighs every slot 1."""
-    tag = "bf16" if shape.dtype == _checks.BFLOAT16 else "f16"
+    tag = _checks.CUDA_TYPES[shape.dtype]
     kernel = _compile.kernel(SOURCE, f"combine<{tag}>", NAMES, out.device.id)
     threads = min(MAX_THREADS, shape.hidden // 8)
     kernel((shape.tokens,), (threads,),

@@ -59,9 +59,7 @@ def forward(a: dict, shape: Shape, workspace: Workspace, out, check_ids: bool, o
         return out
     ids = cupy.ascontiguousarray(a["topk_ids"])
     weights = cupy.ascontiguousarray(a["topk_weights"])
-    x = cupy.ascontiguousarray(a["x"])
-    if x.data.ptr % _checks.GPU_ALIGNMENT:  # a contiguous view off the 16-byte grid
-        x = x.copy()
+    x = _checks.on_gpu_grid(a["x"])
     ws = workspace
     gate_up = _gpu_experts.gate_up_gemm(x, a["w13"], ws.h, shape, options, weights)
     down = _gpu_experts.down_gemm(ws.h, a["w2"], ws.y, shape, options)

@@ -19,8 +19,7 @@ LOGITS_DTYPES = ("float32", "model")
 class _Buffers:
     """What one call of a block with T tokens writes besides the layers' workspaces (GPU only)."""
 
-    def __init__(self, xp, tokens: int, hidden: int, experts: int, top_k: int, shared: bool):
-        self.x32 = xp.empty((tokens, hidden), np.float32)
+    def __init__(self, xp, tokens: int, experts: int, top_k: int, shared: bool):
         self.logits = xp.empty((tokens, experts), np.float32)
         self.weights = xp.empty((tokens, top_k), np.float32)
         self.ids = xp.empty((tokens, top_k), np.int32)
@@ -67,10 +66,10 @@ class MoEBlock:
 
     Notes
     -----
-    The router GEMM runs in float32 through CuPy's matmul (cuBLAS on the GPU): bitwise the same from
-    run to run on one GPU, but cuBLAS may sum in another order for another T, so unlike the
-    expert layer a token's logits are not guaranteed batch-invariant. On the GPU, after the first
-    call for a given T the block allocates nothing, so it can be captured in a CUDA graph.
+    On the GPU the router GEMM (kernels_cu/router_logits.cu) sums each logit in float32 in one
+    order for every T, so the whole block is bitwise reproducible and batch-invariant like the
+    expert layer. After the first call for a given T the block allocates nothing, so it can be
+    captured in a CUDA graph.
     """
 
     def __init__(self, router_weight, w13, w2, *, top_k, scoring="softmax", renormalize=True, num_groups=1,
@@ -93,7 +92,7 @@ class MoEBlock:
         _checks.check_array(weight, "router_weight", 2, (dtype, _checks.FLOAT32))
         if tuple(weight.shape) != (num_experts, hidden):
             raise ValueError(f"router_weight: expected shape {(num_experts, hidden)}, got {tuple(weight.shape)}")
-        self.router_weight_t = xp.ascontiguousarray(_as_float32(xp, weight).T)  # [H, E] float32
+        self.router_weight = xp.ascontiguousarray(weight)  # [E, H], as given: the GPU widens as it reads
         self.router_bias = None
         if "router_bias" in arrays:
             bias = arrays["router_bias"]
@@ -124,7 +123,7 @@ class MoEBlock:
             if gate.size != hidden or gate.ndim not in (1, 2):
                 raise ValueError(f"shared_gate: expected shape ({hidden},) or (1, {hidden}), got {tuple(gate.shape)}")
             _checks.check_array(gate.reshape(hidden), "shared_gate", 1, (dtype, _checks.FLOAT32))
-            self.shared_gate = xp.ascontiguousarray(_as_float32(xp, gate.reshape(hidden, 1)))  # [H, 1]
+            self.shared_gate = xp.ascontiguousarray(gate.reshape(1, hidden))  # [1, H]: a router of one output
         self._buffers = _workspaces.WorkspaceCache()
 
     @classmethod
@@ -172,18 +171,16 @@ class MoEBlock:
         """float32 logits [T, E]: on NumPy new arrays; on the GPU into ``buffers`` (None: new ones)."""
         round_to = self.experts.dtype if self.router_logits_dtype == "model" else None
         if xp is np:
-            logits = _as_float32(xp, x) @ self.router_weight_t
+            logits = _as_float32(xp, x) @ _as_float32(xp, self.router_weight).T
             if self.router_bias is not None:
                 logits += self.router_bias
             return logits if round_to is None else logits.astype(round_to).astype(np.float32)
-        from . import _gpu_route
+        from . import _gpu_router_logits
 
         if buffers is None:
-            buffers = _Buffers(xp, x.shape[0], self.hidden_size, self.num_experts, self.routing.top_k, False)
-        x = xp.ascontiguousarray(x)
-        _gpu_route.widen(x, buffers.x32)
-        xp.matmul(buffers.x32, self.router_weight_t, out=buffers.logits)
-        _gpu_route.finish_logits(buffers.logits, self.router_bias, round_to)
+            buffers = _Buffers(xp, x.shape[0], self.num_experts, self.routing.top_k, False)
+        _gpu_router_logits.run(_checks.on_gpu_grid(x), self.router_weight, self.router_bias, buffers.logits,
+                               round_to_x=round_to is not None)
         return buffers.logits
 
     def __call__(self, x, *, out=None):
@@ -197,7 +194,7 @@ class MoEBlock:
             return self._forward(xp, x, out, None)
         with self.experts.w13.device:
             buffers, _ = self._buffers.use(
-                tokens, lambda: (_Buffers(xp, tokens, self.hidden_size, self.num_experts, k, self.shared is not None),
+                tokens, lambda: (_Buffers(xp, tokens, self.num_experts, k, self.shared is not None),
                                  xp.empty(0)), captured=xp.cuda.get_current_stream().is_capturing())
             return self._forward(xp, x, out, buffers)
 
@@ -215,12 +212,12 @@ class MoEBlock:
             tokens = x.shape[0]
             weights = np.ones((tokens, 1), np.float32)
             if self.shared_gate is not None:
-                weights = (1.0 / (1.0 + np.exp(-(_as_float32(xp, x) @ self.shared_gate)))).astype(np.float32)
+                logit = _as_float32(xp, x) @ _as_float32(xp, self.shared_gate).T
+                weights = (1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
             return np.zeros((tokens, 1), np.int32), weights
         if self.shared_gate is None:
             return buffers.shared_ids, buffers.shared_weights
-        from . import _gpu_route
+        from . import _gpu_router_logits
 
-        xp.matmul(buffers.x32, self.shared_gate, out=buffers.gate_logit)  # x32: the router's widened x
-        _gpu_route.sigmoid_in_place(buffers.gate_logit)
+        _gpu_router_logits.run(_checks.on_gpu_grid(x), self.shared_gate, None, buffers.gate_logit, apply_sigmoid=True)
         return buffers.shared_ids, buffers.gate_logit

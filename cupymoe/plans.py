@@ -87,7 +87,7 @@ class GemmConfig:
 
     def name_expression(self, dtype, gated: bool, id_type: str = "int", epilogue: Epilogue = PLAIN) -> str:
         """The kernel's template instantiation; ``id_type`` (an ID_TYPES value) only for SLOT."""
-        tag = "bf16" if dtype == _checks.BFLOAT16 else "f16"
+        tag = _checks.CUDA_TYPES[dtype]
         tail = f"{'true' if gated else 'false'},{epilogue.activation},{epilogue.flags}"
         if self.kernel == PERSISTENT:
             return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{self.k_group},{tail}>"

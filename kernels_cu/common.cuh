@@ -85,6 +85,8 @@ __device__ __forceinline__ float reciprocal_approx(float x) {
 }
 
 __device__ __forceinline__ float silu(float v) { return v * reciprocal_approx(1.0f + __expf(-v)); }
+// The routers' sigmoid, exact to expf (route_sigmoid's scores, the shared expert's gate).
+__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
 // The expert of routed slot ``slot``; -1 for an id outside [0, num_experts) ("no expert").
 template <class IdT>

@@ -77,8 +77,6 @@ __global__ void route_topk(const L* __restrict__ logits, int tokens, int num_exp
     for (int r = 0; r < top_k; ++r) topk_weights[token * top_k + r] /= picked_sum;
 }
 
-__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
-
 template <class L>
 __global__ void route_sigmoid(const L* __restrict__ logits, const float* __restrict__ correction_bias, int tokens,
                               int num_experts, int top_k, int num_groups, int topk_groups, int renormalize,
@@ -158,31 +156,4 @@ __global__ void route_sigmoid(const L* __restrict__ logits, const float* __restr
       weight = (renormalize ? weight / denom : weight) * scaling_factor;
     }
   }
-}
-
-// The router GEMM's helpers (cupymoe/block.py runs the GEMM itself in float32):
-// x as float32, exactly.
-template <class T>
-__global__ void widen(const u16* __restrict__ in, float* __restrict__ out, long long n) {
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-    out[i] = Float16Traits<T>::to_float(in[i]);
-}
-
-// logits[t, e] += bias[e] (no bias: null); then, when ``round``, rounded to T's precision (nearest
-// even) as a linear layer of that dtype gives them.
-template <class T>
-__global__ void finish_logits(float* __restrict__ logits, const float* __restrict__ bias, long long n,
-                              int num_experts, int round) {
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-    float v = logits[i];
-    if (bias != nullptr) v += bias[i % num_experts];
-    if (round) v = Float16Traits<T>::to_float(u16(Float16Traits<T>::pack(v, 0.0f) & 0xffffu));
-    logits[i] = v;
-  }
-}
-
-// v = sigmoid(v): the shared expert's gate (Qwen2-MoE).
-__global__ void sigmoid_in_place(float* __restrict__ v, long long n) {
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-    v[i] = sigmoid(v[i]);
 }

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from cupymoe import _checks, _compile, _gpu_combine, _gpu_dispatch, _gpu_route, plans
+from cupymoe import _checks, _compile, _gpu_combine, _gpu_dispatch, _gpu_route, _gpu_router_logits, plans
 from cupymoe._contract import ACTIVATIONS, EPILOGUE_BIAS, EPILOGUE_INPUT_WEIGHT
 
 pytest.importorskip("cupy")
@@ -18,6 +18,8 @@ MODULES = [
     (_gpu_dispatch.SOURCE, _gpu_dispatch.NAMES),
     (_gpu_combine.SOURCE, _gpu_combine.NAMES),
     (_gpu_route.SOURCE, _gpu_route.NAMES),
+] + [
+    (_gpu_router_logits.SOURCE, _gpu_router_logits.name_expressions(dtype)) for dtype in (_checks.BFLOAT16, _checks.FLOAT16)
 ] + [(source, plans.name_expressions(source, dtype, gated))
      for source in GEMM_SOURCES for dtype in (_checks.BFLOAT16, _checks.FLOAT16) for gated in (True, False)
      ] + [(source, plans.name_expressions(source, _checks.BFLOAT16, gated, epilogue))

@@ -106,7 +106,7 @@ def parity(torch, xp, name, device, config_kwargs, tokens=TOKENS, through_file=N
     x = torch.randn(tokens, config_kwargs["hidden_size"], device=device, dtype=torch.float32).to(torch.bfloat16)
     want, want_ids = hf_forward(torch, name, block, x)
     state = {k: v.contiguous() for k, v in block.state_dict().items()}
-    to_xp = (lambda t: xp.asarray(t)) if device != "cpu" else (
+    to_xp = (lambda t: xp.from_dlpack(t)) if device != "cpu" else (
         lambda t: t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy())
     hf_config = dict(config.to_dict(), model_type=FAMILIES[name][0] if name != "llama4_text" else "llama4_text")
     if through_file is None:

@@ -13,11 +13,11 @@ from test_layer import SIZES, check_close, run_fused
 
 SHARED_LIMITS = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 TOKENS = (1, 4, 16, 64, 256, 512, 1024, 2048, 4096, 8192)
-SIZES = ((4096, 1024), (64, 64), (192, 320), (512, 64), (2048, 1408))  # (H, I), multiples of 64
+PLANNED_SIZES = ((4096, 1024), (64, 64), (192, 320), (512, 64), (2048, 1408))  # (H, I), multiples of 64
 
 
 def planned():
-    for cc, tokens, (hidden, inter) in itertools.product(SHARED_LIMITS, TOKENS, SIZES):
+    for cc, tokens, (hidden, inter) in itertools.product(SHARED_LIMITS, TOKENS, PLANNED_SIZES):
         p = plans.plan(tokens, 8, 256, hidden, inter, cc, SHARED_LIMITS[cc])
         yield cc, hidden, inter, p
 
@@ -36,7 +36,7 @@ def test_configs_fit_the_problem_and_the_gpu(cc, hidden, inter, p):
 @pytest.mark.parametrize("cc", [80, 90, 100])
 def test_sm80_sm90_and_sm100_plans_are_precompiled(cc):
     """What A100s, H100/H200s and B200s run is in name_expressions (compiled once, checked for spills)."""
-    for tokens, (hidden, inter) in itertools.product(TOKENS, SIZES):
+    for tokens, (hidden, inter) in itertools.product(TOKENS, PLANNED_SIZES):
         p = plans.plan(tokens, 8, 256, hidden, inter, cc, SHARED_LIMITS[cc])
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
             for dtype in (_checks.BFLOAT16, _checks.FLOAT16):
