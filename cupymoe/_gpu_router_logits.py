@@ -34,8 +34,9 @@ class RouterTile:
 ROW = RouterTile(1, 1, 1, 8)       # a warp per logit: the most warps streaming w at small T
 COLUMN = RouterTile(1, 1, 8, 1)    # a warp per token: N below a block's width (the shared gate, N = 1)
 MEDIUM = RouterTile(4, 4, 1, 8)
-LARGE = RouterTile(8, 8, 2, 4)     # 16 x 32 per block: x rows read N/32 times, w rows T/16 times
-TILES = (ROW, COLUMN, MEDIUM, LARGE)
+HALF = RouterTile(4, 8, 2, 4)      # 8 x 32 per block, half LARGE's registers: twice the warps per SM
+LARGE = RouterTile(8, 8, 2, 4)     # 16 x 32 per block: x rows read N/32 times (from L2), w rows T/16 times
+TILES = (ROW, COLUMN, MEDIUM, HALF, LARGE)
 ROW_MAX_TOKENS = 16
 MEDIUM_MAX_TOKENS = 256
 
@@ -66,6 +67,6 @@ def run(x, w, bias, out, *, round_to_x: bool = False, apply_sigmoid: bool = Fals
     block_t, block_n = tile.block
     names = name_expressions(x.dtype)
     kernel = _compile.kernel(SOURCE, tile.name_expression(x.dtype, w.dtype), names, x.device.id)
-    kernel((-(-tokens // block_t), -(-outputs // block_n)), (32 * tile.warps_t * tile.warps_n,),
+    kernel((-(-tokens // block_t) * -(-outputs // block_n),), (32 * tile.warps_t * tile.warps_n,),
            (x, w, bias, np.int32(tokens), np.int32(outputs), np.int32(hidden), np.int32(round_to_x),
             np.int32(apply_sigmoid), out))

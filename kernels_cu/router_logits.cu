@@ -11,13 +11,16 @@
 constexpr int ROUTER_LANE_ELEMENTS = 4;                           // consecutive h per lane per step
 constexpr int ROUTER_WARP_STEP = 32 * ROUTER_LANE_ELEMENTS;       // h per warp per step
 
-template <class T> struct Operand;  // four consecutive elements as float
+template <class T> struct Operand;  // four consecutive elements: loaded raw, used as float
 template <> struct Operand<float> {
-  static __device__ __forceinline__ float4 load(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+  using Raw = float4;
+  static __device__ __forceinline__ Raw load(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+  static __device__ __forceinline__ float4 widen(Raw v) { return v; }
 };
 template <class T> struct Operand16 {
-  static __device__ __forceinline__ float4 load(const T* p) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+  using Raw = uint2;
+  static __device__ __forceinline__ Raw load(const T* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+  static __device__ __forceinline__ float4 widen(Raw v) {
     return make_float4(Float16Traits<T>::to_float(u16(v.x)), Float16Traits<T>::to_float(u16(v.x >> 16)),
                        Float16Traits<T>::to_float(u16(v.y)), Float16Traits<T>::to_float(u16(v.y >> 16)));
   }
@@ -32,26 +35,38 @@ __device__ __forceinline__ float fma4(float4 a, float4 b, float acc) {
   return fmaf(a.w, b.w, acc);
 }
 
-// STEPS consecutive steps of a lane from h on: every load first (the bytes in flight that a thin
-// tile needs to stream w), then the fmas in the order of the sum.
+// A lane's operands for STEPS consecutive steps from h on: loaded together (the bytes in flight
+// that a thin tile needs to stream w), then summed in the order of the sum.
 template <class X, class W, int TILE_T, int TILE_N, int STEPS>
-__device__ __forceinline__ void accumulate_steps(const X* const (&x_rows)[TILE_T], const W* const (&w_rows)[TILE_N],
-                                                 int h, float (&acc)[TILE_T][TILE_N]) {
-  float4 xv[STEPS][TILE_T], wv[STEPS][TILE_N];
+struct LaneSteps {
+  typename Operand<X>::Raw xv[STEPS][TILE_T];
+  typename Operand<W>::Raw wv[STEPS][TILE_N];
+
+  __device__ __forceinline__ void load(const X* const (&x_rows)[TILE_T], const W* const (&w_rows)[TILE_N], int h) {
 #pragma unroll
-  for (int s = 0; s < STEPS; ++s) {
+    for (int s = 0; s < STEPS; ++s) {
 #pragma unroll
-    for (int i = 0; i < TILE_T; ++i) xv[s][i] = Operand<X>::load(x_rows[i] + h + s * ROUTER_WARP_STEP);
+      for (int i = 0; i < TILE_T; ++i) xv[s][i] = Operand<X>::load(x_rows[i] + h + s * ROUTER_WARP_STEP);
 #pragma unroll
-    for (int j = 0; j < TILE_N; ++j) wv[s][j] = Operand<W>::load(w_rows[j] + h + s * ROUTER_WARP_STEP);
+      for (int j = 0; j < TILE_N; ++j) wv[s][j] = Operand<W>::load(w_rows[j] + h + s * ROUTER_WARP_STEP);
+    }
   }
+
+  __device__ __forceinline__ void accumulate(float (&acc)[TILE_T][TILE_N]) const {
 #pragma unroll
-  for (int s = 0; s < STEPS; ++s)
+    for (int s = 0; s < STEPS; ++s) {
+      float4 xf[TILE_T];
 #pragma unroll
-    for (int i = 0; i < TILE_T; ++i)
+      for (int i = 0; i < TILE_T; ++i) xf[i] = Operand<X>::widen(xv[s][i]);
 #pragma unroll
-      for (int j = 0; j < TILE_N; ++j) acc[i][j] = fma4(xv[s][i], wv[s][j], acc[i][j]);
-}
+      for (int j = 0; j < TILE_N; ++j) {
+        const float4 wf = Operand<W>::widen(wv[s][j]);
+#pragma unroll
+        for (int i = 0; i < TILE_T; ++i) acc[i][j] = fma4(xf[i], wf, acc[i][j]);
+      }
+    }
+  }
+};
 
 // A block of WARPS_T x WARPS_N warps covers (WARPS_T * TILE_T) tokens x (WARPS_N * TILE_N)
 // outputs; each warp TILE_T x TILE_N of them. X: bf16 or f16 (x is [tokens, hidden]); W: X's
@@ -61,8 +76,10 @@ __global__ void __launch_bounds__(32 * WARPS_T * WARPS_N)
 router_logits(const X* __restrict__ x, const W* __restrict__ w, const float* __restrict__ bias, int tokens,
               int outputs, int hidden, int round, int apply_sigmoid, float* __restrict__ out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int t0 = (blockIdx.x * WARPS_T + warp / WARPS_N) * TILE_T;
-  const int n0 = (blockIdx.y * WARPS_N + warp % WARPS_N) * TILE_N;
+  const int column_blocks = (outputs + WARPS_N * TILE_N - 1) / (WARPS_N * TILE_N);
+  // Blocks along the outputs first: those running together read the same x rows, from L2.
+  const int t0 = (blockIdx.x / column_blocks * WARPS_T + warp / WARPS_N) * TILE_T;
+  const int n0 = (blockIdx.x % column_blocks * WARPS_N + warp % WARPS_N) * TILE_N;
   if (t0 >= tokens || n0 >= outputs) return;
   constexpr int UNROLL = TILE_T * TILE_N >= 16 ? 1 : 8 / (TILE_T * TILE_N);  // steps whose loads fly at once
   const X* x_rows[TILE_T];
@@ -72,10 +89,25 @@ router_logits(const X* __restrict__ x, const W* __restrict__ w, const float* __r
 #pragma unroll
   for (int j = 0; j < TILE_N; ++j) w_rows[j] = w + (long long)min(n0 + j, outputs - 1) * hidden;
   float acc[TILE_T][TILE_N] = {};
+  constexpr int BATCH = UNROLL * ROUTER_WARP_STEP;  // h per batch of steps
   int h = lane * ROUTER_LANE_ELEMENTS;
-  for (; h + (UNROLL - 1) * ROUTER_WARP_STEP < hidden; h += UNROLL * ROUTER_WARP_STEP)
-    accumulate_steps<X, W, TILE_T, TILE_N, UNROLL>(x_rows, w_rows, h, acc);
-  for (; h < hidden; h += ROUTER_WARP_STEP) accumulate_steps<X, W, TILE_T, TILE_N, 1>(x_rows, w_rows, h, acc);
+  if (h + BATCH - ROUTER_WARP_STEP < hidden) {  // whole batches, the next one's loads in flight while this one sums
+    LaneSteps<X, W, TILE_T, TILE_N, UNROLL> batch, next;
+    batch.load(x_rows, w_rows, h);
+    for (;;) {
+      const bool more = h + 2 * BATCH - ROUTER_WARP_STEP < hidden;
+      if (more) next.load(x_rows, w_rows, h + BATCH);
+      batch.accumulate(acc);
+      h += BATCH;
+      if (!more) break;
+      batch = next;
+    }
+  }
+  for (; h < hidden; h += ROUTER_WARP_STEP) {
+    LaneSteps<X, W, TILE_T, TILE_N, 1> step;
+    step.load(x_rows, w_rows, h);
+    step.accumulate(acc);
+  }
 #pragma unroll
   for (int i = 0; i < TILE_T; ++i)
 #pragma unroll
