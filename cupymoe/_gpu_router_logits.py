@@ -31,19 +31,19 @@ class RouterTile:
                 f"{self.tile_t}, {self.tile_n}, {self.warps_t}, {self.warps_n}>")
 
 
-ROW = RouterTile(1, 1, 1, 8)       # a warp per logit: the most warps streaming w at small T
-COLUMN = RouterTile(1, 1, 8, 1)    # a warp per token: N below a block's width (the shared gate, N = 1)
-HALF = RouterTile(4, 8, 2, 4)      # 8 x 32 per block, half LARGE's registers: twice the warps per SM
-LARGE = RouterTile(8, 8, 2, 4)     # 16 x 32 per block: x rows read N/32 times (from L2), w rows T/16 times
-TILES = (ROW, COLUMN, HALF, LARGE)
-ROW_MAX_TOKENS = 64  # E = 256, H = 7168 on an H100: ROW 0.027 ms at T = 64, the next best 0.070 (PERF.md)
+WARP_PER_LOGIT = RouterTile(1, 1, 8, 1)  # a block: 8 tokens of one output, w's row read once for them
+REGISTER_TILE = RouterTile(4, 8, 2, 4)   # a block: 8 tokens x 32 outputs; x rows from L2, w rows T/8 times
+TILES = (WARP_PER_LOGIT, REGISTER_TILE)
+# E = 256, H = 7168, bf16 x on an H100 (benchmarks/PERF.md): at T = 64 0.027 ms against 0.052, at
+# T = 256 0.089 against 0.054; the register tile's 100-122 registers leave 16 warps per SM.
+WARP_PER_LOGIT_MAX_TOKENS = 64
 
 
 def tile_for(tokens: int, outputs: int) -> RouterTile:
     """The tile for a T x N problem (any choice gives the same bits)."""
-    if outputs < ROW.block[1]:
-        return COLUMN
-    return ROW if tokens <= ROW_MAX_TOKENS else LARGE
+    if tokens <= WARP_PER_LOGIT_MAX_TOKENS or outputs < REGISTER_TILE.block[1]:
+        return WARP_PER_LOGIT
+    return REGISTER_TILE
 
 
 def name_expressions(x_dtype) -> tuple:

@@ -55,7 +55,7 @@ def test_a_tokens_logits_are_the_same_in_every_batch():
     x, w = draw(rng, 700, 256, 7168, BF16, BF16)
     gx, gw = to_gpu(x, w)
     whole = host_bits(logits(gx, gw))
-    for tokens in (1, 3, 64, 65, 256, 257):  # each of tile_for's choices
+    for tokens in (1, 3, 64, 65, 256, 257):  # both of tile_for's choices, and partial blocks
         np.testing.assert_array_equal(host_bits(logits(gx[:tokens], gw)), whole[:tokens], err_msg=str(tokens))
     np.testing.assert_array_equal(host_bits(logits(gx[300:], gw)), whole[300:])
 
