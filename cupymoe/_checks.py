@@ -7,8 +7,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from . import fp8
 from ._contract import ACTIVATIONS, K_TILE
-from ._types import ExpertOptions, Shape
+from ._types import ExpertOptions, Shape, WeightScales
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT16 = np.dtype(np.float16)
@@ -118,11 +119,23 @@ def on_gpu_grid(x):
     return x.copy() if x.data.ptr % GPU_ALIGNMENT else x
 
 
-def check_weights(w13, w2) -> tuple[int, int, int, np.dtype]:
-    """Validate the expert weights; return (E, I, H, dtype)."""
-    check_array(w13, "w13", 3, ACTIVATION_DTYPES)
-    check_array(w2, "w2", 3, ACTIVATION_DTYPES)
-    if w2.dtype != w13.dtype:
+def check_weights(w13, w2, w13_scale=None, w2_scale=None) -> tuple:
+    """Validate the expert weights (and the scales of FP8 ones); return (E, I, H, dtype, scales):
+    dtype the weights' (None for FP8 weights), scales a WeightScales for FP8 weights, else None."""
+    fp8_weights = w13.dtype in fp8.FP8_DTYPES or w2.dtype in fp8.FP8_DTYPES
+    if fp8_weights or w13_scale is not None or w2_scale is not None:
+        dtypes = fp8.FP8_DTYPES
+        for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
+            if scale is None:
+                raise TypeError(f"{name}: FP8 weights need their float32 scales, got None")
+            if weight.dtype not in dtypes:
+                raise TypeError(f"{name}: scales go with float8_e4m3fn (or uint8) weights, got "
+                                f"{name[:-6]} of dtype {_dtype_name(weight.dtype)}")
+    else:
+        dtypes = ACTIVATION_DTYPES
+    check_array(w13, "w13", 3, dtypes)
+    check_array(w2, "w2", 3, dtypes)
+    if not fp8_weights and w2.dtype != w13.dtype:
         raise TypeError(
             f"w2: expected dtype {_dtype_name(w13.dtype)} like w13, got {_dtype_name(w2.dtype)}"
         )
@@ -142,7 +155,34 @@ def check_weights(w13, w2) -> tuple[int, int, int, np.dtype]:
         raise ValueError(f"w2: expected shape {(experts, hidden, inter)}, got {tuple(w2.shape)}")
     require_contiguous(w13, "w13")
     require_contiguous(w2, "w2")
-    return experts, inter, hidden, w13.dtype
+    if not fp8_weights:
+        return experts, inter, hidden, w13.dtype, None
+    _check_scale(w13_scale, "w13_scale", w13)
+    _check_scale(w2_scale, "w2_scale", w2)
+    return experts, inter, hidden, None, WeightScales(w13_scale, w2_scale)
+
+
+def _check_scale(scale, name: str, weight) -> None:
+    """An FP8 weight's scales: float32 of a layout's shape (cupymoe.fp8), contiguous, beside it."""
+    array_module({name: scale, name[:-6]: weight})
+    experts, rows, cols = weight.shape
+    shapes = [fp8.scale_shape(layout, experts, rows, cols) for layout in fp8.ScaleLayout]
+    if tuple(scale.shape) not in shapes:
+        raise ValueError(f"{name}: expected a shape of {' (block), '.join(map(str, shapes[:2]))} (channel) "
+                         f"or {shapes[2]} (expert) for {name[:-6]} of shape {tuple(weight.shape)}, "
+                         f"got {tuple(scale.shape)}")
+    if scale.dtype != FLOAT32:
+        raise TypeError(f"{name}: expected dtype float32, got {_dtype_name(scale.dtype)}")
+    require_contiguous(scale, name)
+
+
+def activation_dtype(weights_dtype, options: ExpertOptions):
+    """The dtype of x and out: the weights' (bf16/fp16 weights), else that of the biases (FP8
+    weights), else None (FP8 weights without biases take either)."""
+    if weights_dtype is not None:
+        return weights_dtype
+    bias = options.w13_bias if options.w13_bias is not None else options.w2_bias
+    return None if bias is None else bias.dtype
 
 
 def check_routing(topk_ids, topk_weights, tokens: int, experts: int) -> int:
@@ -177,16 +217,18 @@ def check_out(out, xp, shape: tuple, dtype, device_id=None) -> None:
         raise ValueError(f"out: expected an array on GPU {device_id}, got one on GPU {out.device.id}")
 
 
-def check_forward(x, w13, w2, topk_ids, topk_weights) -> Shape:
-    """Validate the arguments of one forward (already coerced, one module); return its Shape."""
-    experts, inter, hidden, dtype = check_weights(w13, w2)
+def check_forward(x, sizes: tuple, dtype, topk_ids, topk_weights) -> Shape:
+    """Validate x and the routing of one forward (already coerced, one module) against the checked
+    weights' sizes (E, I, H) and x's dtype (None: either activation dtype); return its Shape."""
+    experts, inter, hidden = sizes
     check_array(x, "x", 2, ACTIVATION_DTYPES)
-    if x.dtype != dtype:
-        raise TypeError(f"x: expected dtype {_dtype_name(dtype)} like w13, got {_dtype_name(x.dtype)}")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"x: expected dtype {_dtype_name(dtype)} like the weights (FP8 weights: like their "
+                        f"biases), got {_dtype_name(x.dtype)}")
     if x.shape[1] != hidden:
         raise ValueError(f"x: expected {hidden} columns (w13's hidden size), got shape {tuple(x.shape)}")
     top_k = check_routing(topk_ids, topk_weights, x.shape[0], experts)
-    return Shape(x.shape[0], hidden, experts, inter, top_k, dtype)
+    return Shape(x.shape[0], hidden, experts, inter, top_k, x.dtype)
 
 
 def check_activation(activation) -> str:
@@ -195,8 +237,9 @@ def check_activation(activation) -> str:
     return activation
 
 
-def check_options(activation, w13_bias, w2_bias, apply_router_weight_on_input, w13) -> ExpertOptions:
-    """Validate the expert options against the (coerced, checked) w13; return them with the biases
+def check_options(activation, w13_bias, w2_bias, apply_router_weight_on_input, w13, dtype) -> ExpertOptions:
+    """Validate the expert options against the (coerced, checked) w13 and its dtype (None for FP8
+    weights, whose biases take either activation dtype, both the same); return them with the biases
     coerced to arrays on the weights' side and device."""
     check_activation(activation)
     if not isinstance(apply_router_weight_on_input, (bool, np.bool_)):
@@ -208,7 +251,10 @@ def check_options(activation, w13_bias, w2_bias, apply_router_weight_on_input, w
         if bias is not None:
             bias = as_array(bias, name)
             array_module({name: bias, "w13": w13})  # the same side and GPU as the weights
-            check_array(bias, name, 2, (w13.dtype,))
+            check_array(bias, name, 2, ACTIVATION_DTYPES if dtype is None else (dtype,))
+            if biases and biases[0] is not None and bias.dtype != biases[0].dtype:
+                raise TypeError(f"{name}: expected dtype {_dtype_name(biases[0].dtype)} like w13_bias, "
+                                f"got {_dtype_name(bias.dtype)}")
             if tuple(bias.shape) != shape:
                 raise ValueError(f"{name}: expected shape {shape}, got {tuple(bias.shape)}")
             require_contiguous(bias, name)

@@ -39,6 +39,12 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 SWIGLUOAI_LIMIT = 7.0
 SWIGLUOAI_ALPHA = 1.702
 
+# FP8 weights (cupymoe/fp8.py): the side of a scale block and of an activation quantization group,
+# the largest float8 e4m3 value, and the amax below which a group's scale stops shrinking.
+FP8_BLOCK = 128
+E4M3_MAX = 448.0
+FP8_AMAX_FLOOR = 1e-10
+
 # Flags of an expert GEMM's EPILOGUE template argument: what it adds to a plain SwiGLU.
 EPILOGUE_BIAS = 1  # a bias per expert and output column (w13_bias for gate/up, w2_bias for down)
 EPILOGUE_INPUT_WEIGHT = 2  # gate/up only: the routing weight of each slot scales its projections

@@ -61,3 +61,11 @@ class Routing:
     topk_groups: int = 1  # ... of which the best this many are eligible
     correction_bias: object = None  # sigmoid: [E] float32, added to the scores for choosing only
     scaling_factor: float = 1.0  # sigmoid: multiplies the weights last
+
+
+@dataclass(frozen=True, eq=False)
+class WeightScales:
+    """The float32 scales of FP8 expert weights, each in the layout its rank gives (cupymoe.fp8)."""
+
+    w13: object  # [E, ceil(2I/128), ceil(H/128)], [E, 2I] or [E]
+    w2: object  # [E, ceil(H/128), ceil(I/128)], [E, H] or [E]

@@ -48,7 +48,8 @@ class MoEBlock:
     router_weight : array [E, H], dtype of ``w13`` (or float32)
         The router's linear layer; logits = x @ router_weight.T (+ router_bias).
     w13, w2 : arrays [E, 2*I, H] and [E, H, I]
-        The routed experts, as for :class:`MoE`.
+        The routed experts, as for :class:`MoE`; FP8 ones with ``w13_scale``, ``w2_scale``, when the
+        router weight's dtype (bfloat16 or float16) is the block's.
     top_k, scoring, renormalize, num_groups, topk_groups, correction_bias, scaling_factor
         The routing, as for :func:`cupymoe.route`.
     router_bias : array [E], optional
@@ -57,8 +58,8 @@ class MoEBlock:
         "float32": logits in float32 from the operands' exact values (DeepSeek-V3, GLM-4.5);
         "model": the float32 result rounded to the weights' dtype, as a bf16 linear layer gives
         (Mixtral, Qwen, gpt-oss, Llama-4).
-    activation, w13_bias, w2_bias, apply_router_weight_on_input
-        The expert options, as for :func:`cupymoe.fused_experts`.
+    activation, w13_bias, w2_bias, apply_router_weight_on_input, w13_scale, w2_scale
+        The expert options and FP8 scales, as for :func:`cupymoe.fused_experts`.
     shared_w13, shared_w2 : arrays [2*S, H] and [H, S], optional
         The shared expert: gate rows [0, S), up rows [S, 2S), and its down projection.
     shared_gate : array [H] or [1, H], optional
@@ -75,13 +76,19 @@ class MoEBlock:
     def __init__(self, router_weight, w13, w2, *, top_k, scoring="softmax", renormalize=True, num_groups=1,
                  topk_groups=1, correction_bias=None, scaling_factor=1.0, router_bias=None,
                  router_logits_dtype="model", activation="silu", w13_bias=None, w2_bias=None,
-                 apply_router_weight_on_input=False, shared_w13=None, shared_w2=None, shared_gate=None):
+                 apply_router_weight_on_input=False, shared_w13=None, shared_w2=None, shared_gate=None,
+                 w13_scale=None, w2_scale=None):
         self.experts = MoE(w13, w2, activation=activation, w13_bias=w13_bias, w2_bias=w2_bias,
-                           apply_router_weight_on_input=apply_router_weight_on_input)
+                           apply_router_weight_on_input=apply_router_weight_on_input, w13_scale=w13_scale,
+                           w2_scale=w2_scale)
         xp, dtype = self.experts._xp, self.experts.dtype
         num_experts, hidden = self.experts.num_experts, self.experts.hidden_size
         self._xp = xp
         arrays = {"router_weight": _checks.as_array(router_weight, "router_weight")}
+        if dtype is None:  # FP8 experts without biases: the router weight's dtype is the block's
+            _checks.check_array(arrays["router_weight"], "router_weight", 2, _checks.ACTIVATION_DTYPES)
+            dtype = arrays["router_weight"].dtype
+        self.dtype = dtype
         for name, a in (("router_bias", router_bias), ("correction_bias", correction_bias),
                         ("shared_w13", shared_w13), ("shared_w2", shared_w2), ("shared_gate", shared_gate)):
             if a is not None:
@@ -162,14 +169,14 @@ class MoEBlock:
         if xp is not self._xp:
             raise TypeError(f"x: expected an array on the same side as the block's weights "
                             f"({'NumPy' if self._xp is np else 'GPU'}), got {type(x).__name__}")
-        _checks.check_array(x, "x", 2, (self.experts.dtype,))
+        _checks.check_array(x, "x", 2, (self.dtype,))
         if x.shape[1] != self.hidden_size:
             raise ValueError(f"x: expected {self.hidden_size} columns (H), got shape {tuple(x.shape)}")
         return xp, x
 
     def _logits(self, xp, x, buffers):
         """float32 logits [T, E]: on NumPy new arrays; on the GPU into ``buffers`` (None: new ones)."""
-        round_to = self.experts.dtype if self.router_logits_dtype == "model" else None
+        round_to = self.dtype if self.router_logits_dtype == "model" else None
         if xp is np:
             logits = _as_float32(xp, x) @ _as_float32(xp, self.router_weight).T
             if self.router_bias is not None:

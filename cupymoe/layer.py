@@ -11,9 +11,15 @@ def _coerce(**arrays):
     return _checks.array_module(coerced), coerced
 
 
-def _prepare(xp, a, w13, w2, out):
-    """Check one forward's arrays (``a`` holds x, topk_ids, topk_weights); return its Shape."""
-    shape = _checks.check_forward(a["x"], w13, w2, a["topk_ids"], a["topk_weights"])
+def _given(**arrays) -> dict:
+    """The optional arrays that were passed."""
+    return {name: a for name, a in arrays.items() if a is not None}
+
+
+def _prepare(xp, a, w13, w2, sizes, dtype, out):
+    """Check one forward's arrays (``a`` holds x, topk_ids, topk_weights) against the checked weights'
+    sizes (E, I, H) and x's dtype (None: either); return its Shape."""
+    shape = _checks.check_forward(a["x"], sizes, dtype, a["topk_ids"], a["topk_weights"])
     if out is not None:
         device_id = None if xp is np else a["x"].device.id
         _checks.check_out(out, xp, (shape.tokens, shape.hidden), shape.dtype, device_id)
@@ -25,7 +31,7 @@ def _prepare(xp, a, w13, w2, out):
 
 
 def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=True, activation="silu",
-                  w13_bias=None, w2_bias=None, apply_router_weight_on_input=False):
+                  w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, w13_scale=None, w2_scale=None):
     """Run the MoE expert layer: route each token through its k experts and combine.
 
     ``out[t] = sum_j topk_weights[t, j] * (w2[e] @ act(w13[e, :I] @ x[t], w13[e, I:] @ x[t]))``
@@ -37,9 +43,11 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
     ----------
     x : array [T, H], bfloat16 (``ml_dtypes.bfloat16``) or float16
         Token activations. T may be 0.
-    w13 : array [E, 2*I, H], dtype of ``x``, C-contiguous
+    w13 : array [E, 2*I, H], dtype of ``x`` or FP8, C-contiguous
         Rows ``[0, I)`` are each expert's gate projection, rows ``[I, 2I)`` its up projection.
-    w2 : array [E, H, I], dtype of ``x``, C-contiguous
+        FP8 weights (``ml_dtypes.float8_e4m3fn``, or uint8 holding its bits) come with
+        ``w13_scale``.
+    w2 : array [E, H, I], dtype of ``x`` or FP8 like ``w13``, C-contiguous
         Each expert's down projection. H and I must be multiples of 64.
     topk_ids : array [T, k], int32 or int64
         The experts of each token, ``1 <= k <= E``; -1 means no expert.
@@ -63,6 +71,12 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
     apply_router_weight_on_input : bool
         When True (Llama-4) the routing weight multiplies the token's input to the expert (the
         gate/up projection, before its bias), and the expert outputs are summed unweighted.
+    w13_scale, w2_scale : arrays, float32, with FP8 weights only
+        Real weight = FP8 value x scale, one scale per 128 x 128 block (``[E, ceil(2I/128),
+        ceil(H/128)]`` and ``[E, ceil(H/128), ceil(I/128)]``), per output channel (``[E, 2I]``,
+        ``[E, H]``) or per expert (``[E]``), told apart by their shapes. Activations are then
+        quantized per token and 128 channels (w8a8; see :mod:`cupymoe.fp8`). NumPy only for now:
+        GPU arrays raise NotImplementedError after the checks.
 
     Returns
     -------
@@ -80,11 +94,15 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
         ``w13``, ``w2`` or ``out`` data not starting on a 16-byte boundary (every allocation
         and every slice of whole rows does; a flat view may not).
     """
-    xp, a = _coerce(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights)
-    shape = _prepare(xp, a, a["w13"], a["w2"], out)
-    options = _checks.check_options(activation, w13_bias, w2_bias, apply_router_weight_on_input, a["w13"])
+    xp, a = _coerce(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights,
+                    **_given(w13_scale=w13_scale, w2_scale=w2_scale))
+    *sizes, weights_dtype, scales = _checks.check_weights(a["w13"], a["w2"], a.get("w13_scale"), a.get("w2_scale"))
+    options = _checks.check_options(activation, w13_bias, w2_bias, apply_router_weight_on_input, a["w13"],
+                                    weights_dtype)
+    shape = _prepare(xp, a, a["w13"], a["w2"], sizes, _checks.activation_dtype(weights_dtype, options), out)
     if xp is np:
-        return _forward_numpy(a, shape, out, check_ids, options)
+        return _forward_numpy(a, shape, out, check_ids, options, scales)
+    _require_gpu_kernels(scales)
     from . import _gpu_forward
 
     with a["x"].device:
@@ -92,7 +110,13 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
         return _gpu_forward.forward(a, shape, workspace, out, check_ids, options)
 
 
-def _forward_numpy(a, shape, out, check_ids, options, addend=None):
+def _require_gpu_kernels(scales) -> None:
+    if scales is not None:
+        raise NotImplementedError("FP8 weights (w13_scale, w2_scale) run on the NumPy backend only in this "
+                                  "version: the GPU's FP8 kernels are not built yet (issue #41)")
+
+
+def _forward_numpy(a, shape, out, check_ids, options, scales, addend=None):
     if check_ids:
         _checks.check_ids_in_range(a["topk_ids"], shape.experts)
     if out is None:
@@ -100,7 +124,7 @@ def _forward_numpy(a, shape, out, check_ids, options, addend=None):
     if shape.tokens == 0:
         return out
     return reference.fused_experts(np.ascontiguousarray(a["x"]), a["w13"], a["w2"], a["topk_ids"],
-                                   a["topk_weights"], out, options, addend)
+                                   a["topk_weights"], out, options, scales, addend)
 
 
 class MoE:
@@ -115,10 +139,17 @@ class MoE:
 
     Parameters
     ----------
-    w13 : array [E, 2*I, H], bfloat16 or float16, C-contiguous
-    w2 : array [E, H, I], dtype of ``w13``, C-contiguous
-    activation, w13_bias, w2_bias, apply_router_weight_on_input
+    w13 : array [E, 2*I, H], bfloat16, float16 or FP8, C-contiguous
+    w2 : array [E, H, I], dtype of ``w13`` (FP8: either FP8 dtype), C-contiguous
+    activation, w13_bias, w2_bias, apply_router_weight_on_input, w13_scale, w2_scale
         As for :func:`fused_experts`, held by the layer.
+
+    Attributes
+    ----------
+    dtype : the dtype of x and out: the weights', or for FP8 weights their biases' (None without
+        biases: either bfloat16 or float16).
+    scales : WeightScales or None
+        The FP8 weights' scales.
 
     Notes
     -----
@@ -130,15 +161,19 @@ class MoE:
     """
 
     def __init__(self, w13, w2, *, activation="silu", w13_bias=None, w2_bias=None,
-                 apply_router_weight_on_input=False):
-        xp, a = _coerce(w13=w13, w2=w2)
-        self.num_experts, self.intermediate_size, self.hidden_size, self.dtype = (
-            _checks.check_weights(a["w13"], a["w2"])
+                 apply_router_weight_on_input=False, w13_scale=None, w2_scale=None):
+        xp, a = _coerce(w13=w13, w2=w2, **_given(w13_scale=w13_scale, w2_scale=w2_scale))
+        self.num_experts, self.intermediate_size, self.hidden_size, weights_dtype, self.scales = (
+            _checks.check_weights(a["w13"], a["w2"], a.get("w13_scale"), a.get("w2_scale"))
         )
         self._xp = xp
         self.w13 = a["w13"]
         self.w2 = a["w2"]
-        self.options = _checks.check_options(activation, w13_bias, w2_bias, apply_router_weight_on_input, self.w13)
+        self.options = _checks.check_options(activation, w13_bias, w2_bias, apply_router_weight_on_input, self.w13,
+                                             weights_dtype)
+        self.dtype = _checks.activation_dtype(weights_dtype, self.options)
+        if xp is not np:
+            _require_gpu_kernels(self.scales)
         self._workspaces = _workspaces.WorkspaceCache()  # (T, k) -> (Workspace, owned output array)
 
     def free_workspaces(self) -> None:
@@ -164,10 +199,11 @@ class MoE:
                 f"x: expected an array on GPU {self.w13.device.id} like the weights, "
                 f"got one on GPU {a['x'].device.id}"
             )
-        shape = _prepare(xp, a, self.w13, self.w2, out)
+        sizes = (self.num_experts, self.intermediate_size, self.hidden_size)
+        shape = _prepare(xp, a, self.w13, self.w2, sizes, self.dtype, out)
         a.update(w13=self.w13, w2=self.w2)
         if xp is np:
-            return _forward_numpy(a, shape, out, check_ids, self.options, addend)
+            return _forward_numpy(a, shape, out, check_ids, self.options, self.scales, addend)
         from . import _gpu_forward
 
         with self.w13.device:

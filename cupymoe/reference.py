@@ -2,7 +2,8 @@
 
 It follows the kernels' numerics: float32 accumulation; biases, the routing weight on the input and
 the activation applied in float32; the intermediate ``h`` and each expert's output rounded to the
-activation dtype; the combine summed in float32 over j = 0..k-1 in order.
+activation dtype; the combine summed in float32 over j = 0..k-1 in order. FP8 weights follow
+:mod:`cupymoe.fp8` (their GEMMs quantize the input, and h stays float32 for the down GEMM's).
 """
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import math
 
 import numpy as np
 
+from . import fp8
 from ._contract import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
-from ._types import ExpertOptions
+from ._types import ExpertOptions, WeightScales
 
 
 def valid_ids(topk_ids: np.ndarray, experts: int) -> np.ndarray:
@@ -68,13 +70,22 @@ def activate(activation: str, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     raise ValueError(f"activation: unknown {activation!r}")
 
 
+def _projection(a: np.ndarray, w: np.ndarray, scales, expert: int) -> np.ndarray:
+    """float32 ``a @ w[expert].T`` for float32 ``a``: plain, or in FP8 numerics with ``scales``
+    (that weight's scale array of all experts)."""
+    if scales is None:
+        return a @ w[expert].astype(np.float32).T
+    return fp8.matmul(a, fp8.as_e4m3(w[expert]), scales[expert])
+
+
 def expert_outputs(x, w13, w2, top_k, offsets, sorted_slots, options: ExpertOptions = ExpertOptions(),
-                   slot_weights=None) -> np.ndarray:
+                   slot_weights=None, scales: WeightScales | None = None) -> np.ndarray:
     """The expert GEMMs: y [T * k, H] in the dispatch's order, row p = w2[e] @ h[p] (+ w2_bias[e])
     with h[p] = act(g, u), g and u the gate and up rows of w13[e] times x[t] (times the slot's
     routing weight with ``options.weight_on_input``), plus w13_bias[e]; for sorted slot p = (t, j)
-    of expert e. h and y are rounded to x's dtype. ``slot_weights`` [T * k] float32: the routing
-    weights by slot, needed with weight_on_input. Rows past the valid slots are left unwritten."""
+    of expert e. h (bf16/fp16 weights only) and y are rounded to x's dtype. ``slot_weights``
+    [T * k] float32: the routing weights by slot, needed with weight_on_input. ``scales``: those of
+    FP8 weights. Rows past the valid slots are left unwritten."""
     experts, two_i, _ = w13.shape
     inter = two_i // 2
     y = np.empty((sorted_slots.size, x.shape[1]), x.dtype)
@@ -83,16 +94,18 @@ def expert_outputs(x, w13, w2, top_k, offsets, sorted_slots, options: ExpertOpti
         if slots.size == 0:
             continue
         xs = x[slots // top_k].astype(np.float32)
-        w = w13[e].astype(np.float32)
-        gate, up = xs @ w[:inter].T, xs @ w[inter:].T
+        gate_up = _projection(xs, w13, None if scales is None else scales.w13, e)
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
         if options.weight_on_input:
             scale = slot_weights[slots][:, None]
             gate, up = gate * scale, up * scale
         if options.w13_bias is not None:
             bias = options.w13_bias[e].astype(np.float32)
             gate, up = gate + bias[:inter], up + bias[inter:]
-        h = activate(options.activation, gate, up).astype(x.dtype)
-        out = h.astype(np.float32) @ w2[e].astype(np.float32).T
+        h = activate(options.activation, gate, up)
+        if scales is None:
+            h = h.astype(x.dtype).astype(np.float32)
+        out = _projection(h, w2, None if scales is None else scales.w2, e)
         if options.w2_bias is not None:
             out += options.w2_bias[e].astype(np.float32)
         y[offsets[e]:offsets[e + 1]] = out.astype(x.dtype)
@@ -119,12 +132,13 @@ def combine(y, slot_positions, topk_weights, out, addend=None) -> np.ndarray:
 
 
 def fused_experts(x, w13, w2, topk_ids, topk_weights, out, options: ExpertOptions = ExpertOptions(),
-                  addend=None) -> np.ndarray:
+                  scales: WeightScales | None = None, addend=None) -> np.ndarray:
     """The layer, stage by stage: dispatch, expert GEMMs, combine; into ``out`` [T, H] (arguments
-    pre-checked). With ``options.weight_on_input`` the routing weights scale the experts' inputs
-    and the combine sums the outputs unweighted."""
+    pre-checked; ``scales`` those of FP8 weights). With ``options.weight_on_input`` the routing
+    weights scale the experts' inputs and the combine sums the outputs unweighted."""
     _, offsets, sorted_slots, slot_positions = dispatch_arrays(topk_ids, w13.shape[0])
-    y = expert_outputs(x, w13, w2, topk_ids.shape[1], offsets, sorted_slots, options, topk_weights.reshape(-1))
+    y = expert_outputs(x, w13, w2, topk_ids.shape[1], offsets, sorted_slots, options, topk_weights.reshape(-1),
+                       scales)
     return combine(y, slot_positions, None if options.weight_on_input else topk_weights, out, addend)
 
 
