@@ -22,13 +22,19 @@ Llama-4    llama4, llama4_text  ``experts.gate_up_proj`` [E, H, 2I] (gate half, 
 
 The router weight is ``gate.weight`` but for gpt-oss and Llama-4 (``router.weight``). Weights are
 copied to the GPU expert by expert, so no second host copy of the layer is made.
+
+FP8 checkpoints (DeepSeek-V3/R1, Qwen3-FP8: ``quantization_config`` with ``quant_method`` "fp8" and
+``weight_block_size`` [128, 128]) store each per-expert ``*.weight`` as float8 e4m3 with its
+``*.weight_scale_inv`` [ceil(rows/128), ceil(cols/128)] (real value = weight x scale); the
+experts stay FP8 (uint8 bits on the GPU) with block scales stacked like the weights, which needs
+I to be a multiple of 128; FP8 shared experts are dequantized to the router weight's dtype.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import _checks
-from ._contract import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from . import _checks, fp8
+from ._contract import FP8_BLOCK, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
 HIDDEN_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                       "gelu_new": "gelu_tanh"}
@@ -57,33 +63,59 @@ class _Layer:
         """The tensor on ``xp``'s side, contiguous."""
         return self.xp.ascontiguousarray(self.xp.asarray(self.host(name, shape)))
 
+    def dense(self, name: str, shape: tuple, dtype):
+        """A weight ``name`` on ``xp``'s side in ``dtype``: dequantized with its ``_scale_inv`` if FP8."""
+        if self.dtype(name) != fp8.E4M3:
+            return self.get(name, shape)
+        scale = self.host(f"{name}_scale_inv", (fp8.blocks(shape[0]), fp8.blocks(shape[1])))
+        return self.xp.asarray(fp8.dequantize_weights(self.host(name, shape)[None], scale[None])[0].astype(dtype))
+
     def dtype(self, name: str):
         return np.dtype(self.tensors[name].dtype) if name in self.tensors else None
 
     def stacked(self, shape: tuple, dtype, pieces):
-        """An ``xp`` array of ``shape`` filled from (index, name, shape) pieces, one tensor at a time."""
-        out = self.xp.empty(shape, dtype)
+        """An ``xp`` array of ``shape`` filled from (index, name, shape) pieces, one tensor at a time
+        (FP8 as uint8 bits on the GPU, which has no float8 dtype)."""
+        bits = dtype == fp8.E4M3 and self.xp is not np
+        out = self.xp.empty(shape, np.uint8 if bits else dtype)
         for index, name, piece_shape in pieces:
-            out[index] = self.xp.asarray(self.host(name, piece_shape))
+            piece = self.host(name, piece_shape)
+            out[index] = self.xp.asarray(piece.view(np.uint8) if bits else piece)
         return out
 
 
-def _gated_experts(t: _Layer, e_count, hidden, inter, names):
+def _gated_experts(t: _Layer, e_count, hidden, inter, names, config) -> dict:
     """w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] from the stacked module tensors
-    ``experts.gate_up_proj`` / ``experts.down_proj`` or the per-expert ``names`` (gate, up, down)."""
+    ``experts.gate_up_proj`` / ``experts.down_proj`` or the per-expert ``names`` (gate, up, down);
+    with ``w13_scale`` and ``w2_scale`` from a block-scaled FP8 checkpoint."""
     if "experts.gate_up_proj" in t:
-        return (t.get("experts.gate_up_proj", (e_count, 2 * inter, hidden)),
-                t.get("experts.down_proj", (e_count, hidden, inter)))
+        return dict(w13=t.get("experts.gate_up_proj", (e_count, 2 * inter, hidden)),
+                    w2=t.get("experts.down_proj", (e_count, hidden, inter)))
     gate, up, down = names
     dtype = t.dtype(gate.format(0))
     if dtype is None:
         raise ValueError(f"tensors: expected {gate.format(0)!r} or 'experts.gate_up_proj', not found")
+    gate_up_rows = [(half * inter, name) for half, name in enumerate((gate, up))]
     w13 = t.stacked((e_count, 2 * inter, hidden), dtype, [
-        ((e, slice(half * inter, (half + 1) * inter)), name.format(e), (inter, hidden))
-        for e in range(e_count) for half, name in enumerate((gate, up))])
+        ((e, slice(row, row + inter)), name.format(e), (inter, hidden)) for e in range(e_count) for row, name in gate_up_rows])
     w2 = t.stacked((e_count, hidden, inter), dtype,
                    [(e, down.format(e), (hidden, inter)) for e in range(e_count)])
-    return w13, w2
+    if dtype != fp8.E4M3:
+        return dict(w13=w13, w2=w2)
+    block = config.get("quantization_config", {}).get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
+    if list(block) != [FP8_BLOCK, FP8_BLOCK]:
+        raise ValueError(f"config: FP8 weight_block_size {block} is not supported (expected [128, 128])")
+    if inter % FP8_BLOCK:
+        raise ValueError(f"config: FP8 experts need an intermediate size that is a multiple of {FP8_BLOCK} (gate "
+                         f"and up blocks stack into w13's), got {inter}")
+    gate_blocks = (fp8.blocks(inter), fp8.blocks(hidden))
+    w13_scale = t.stacked((e_count, 2 * gate_blocks[0], gate_blocks[1]), np.float32, [
+        ((e, slice(row // FP8_BLOCK, row // FP8_BLOCK + gate_blocks[0])), f"{name.format(e)}_scale_inv", gate_blocks)
+        for e in range(e_count) for row, name in gate_up_rows])
+    w2_scale = t.stacked((e_count, fp8.blocks(hidden), fp8.blocks(inter)), np.float32,
+                         [(e, f"{down.format(e)}_scale_inv", (fp8.blocks(hidden), fp8.blocks(inter)))
+                          for e in range(e_count)])
+    return dict(w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale)
 
 
 def _transposed_experts(t: _Layer, e_count, hidden, inter, interleaved: bool):
@@ -101,11 +133,12 @@ def _transposed_experts(t: _Layer, e_count, hidden, inter, interleaved: bool):
     return w13, w2
 
 
-def _shared_expert(t: _Layer, prefix: str, hidden, inter):
-    """(shared_w13 [2S, H], shared_w2 [H, S]) of a dense gated MLP under ``prefix``."""
-    gate = t.get(f"{prefix}.gate_proj.weight", (inter, hidden))
-    up = t.get(f"{prefix}.up_proj.weight", (inter, hidden))
-    return t.xp.concatenate([gate, up]), t.get(f"{prefix}.down_proj.weight", (hidden, inter))
+def _shared_expert(t: _Layer, prefix: str, hidden, inter, dtype=None):
+    """(shared_w13 [2S, H], shared_w2 [H, S]) of a dense gated MLP under ``prefix``; FP8 ones
+    dequantized to ``dtype``."""
+    gate = t.dense(f"{prefix}.gate_proj.weight", (inter, hidden), dtype)
+    up = t.dense(f"{prefix}.up_proj.weight", (inter, hidden), dtype)
+    return t.xp.concatenate([gate, up]), t.dense(f"{prefix}.down_proj.weight", (hidden, inter), dtype)
 
 
 def _key(config: dict, *names):
@@ -125,8 +158,8 @@ def _activation(config: dict) -> str:
 
 def _mixtral(c, t: _Layer):
     e, h, i = _key(c, "num_local_experts", "num_experts"), c["hidden_size"], c["intermediate_size"]
-    w13, w2 = _gated_experts(t, e, h, i, ("experts.{}.w1.weight", "experts.{}.w3.weight", "experts.{}.w2.weight"))
-    return dict(router_weight=t.get("gate.weight", (e, h)), w13=w13, w2=w2, top_k=c.get("num_experts_per_tok", 2),
+    experts = _gated_experts(t, e, h, i, ("experts.{}.w1.weight", "experts.{}.w3.weight", "experts.{}.w2.weight"), c)
+    return dict(router_weight=t.get("gate.weight", (e, h)), **experts, top_k=c.get("num_experts_per_tok", 2),
                 activation=_activation(c))
 
 
@@ -135,12 +168,12 @@ QWEN_EXPERTS = ("experts.{}.gate_proj.weight", "experts.{}.up_proj.weight", "exp
 
 def _qwen(c, t: _Layer):
     e, h, i = _key(c, "num_experts", "num_local_experts"), c["hidden_size"], c["moe_intermediate_size"]
-    w13, w2 = _gated_experts(t, e, h, i, QWEN_EXPERTS)
-    kwargs = dict(router_weight=t.get("gate.weight", (e, h)), w13=w13, w2=w2, top_k=c.get("num_experts_per_tok", 4),
+    kwargs = dict(router_weight=t.get("gate.weight", (e, h)), **_gated_experts(t, e, h, i, QWEN_EXPERTS, c),
+                  top_k=c.get("num_experts_per_tok", 4),
                   renormalize=c.get("norm_topk_prob", False), activation=_activation(c))
     if "shared_expert.gate_proj.weight" in t:  # Qwen2-MoE
         s = c["shared_expert_intermediate_size"]
-        kwargs["shared_w13"], kwargs["shared_w2"] = _shared_expert(t, "shared_expert", h, s)
+        kwargs["shared_w13"], kwargs["shared_w2"] = _shared_expert(t, "shared_expert", h, s, t.dtype("gate.weight"))
         kwargs["shared_gate"] = t.get("shared_expert_gate.weight", (1, h))
     return kwargs
 
@@ -149,17 +182,17 @@ def _deepseek(defaults):
     def build(c, t: _Layer):
         c = {**defaults, **c}
         e, h, i = _key(c, "num_local_experts", "n_routed_experts"), c["hidden_size"], c["moe_intermediate_size"]
-        w13, w2 = _gated_experts(t, e, h, i, QWEN_EXPERTS)
         bias = None
         if "gate.e_score_correction_bias" in t:
             bias = t.xp.asarray(t.host("gate.e_score_correction_bias", (e,))).astype(np.float32)
-        kwargs = dict(router_weight=t.get("gate.weight", (e, h)), w13=w13, w2=w2, top_k=c["num_experts_per_tok"],
+        kwargs = dict(router_weight=t.get("gate.weight", (e, h)), **_gated_experts(t, e, h, i, QWEN_EXPERTS, c),
+                      top_k=c["num_experts_per_tok"],
                       scoring="sigmoid", renormalize=c["norm_topk_prob"], num_groups=c["n_group"],
                       topk_groups=c["topk_group"], correction_bias=bias, scaling_factor=c["routed_scaling_factor"],
                       router_logits_dtype="float32", activation=_activation(c))
         if c.get("n_shared_experts"):
             kwargs["shared_w13"], kwargs["shared_w2"] = _shared_expert(t, "shared_experts", h,
-                                                                       i * c["n_shared_experts"])
+                                                                       i * c["n_shared_experts"], t.dtype("gate.weight"))
         return kwargs
     return build
 
