@@ -11,16 +11,14 @@ channel    [E, R]                               each output row
 expert     [E]                                  the whole matrix
 ========== ==================================== ==============================================
 
-The GEMM quantizes its input too (w8a8, as DeepGEMM and vLLM's block-FP8 path do): per token and
+The GEMM quantizes its input too (w8a8, as DeepGEMM and vLLM's block-FP8 path do): per row and
 per group of 128 input columns, ``s_a = max(amax, 1e-10) / 448`` and ``q_a = e4m3(a / s_a)``
 (round to nearest even; ``|a / s_a| <= 448`` so nothing saturates). Then, for each group g of
-128 columns, the products q_a * q_w are exact in float32 and summed in float32; the group's sum is
-scaled by ``s_a[g] * s_w[g]`` (block layout) or ``s_a[g]`` (the others) and added to a float32
-accumulator; the channel and expert scales multiply that accumulator last. The gate/up GEMM
-quantizes x; the down GEMM quantizes h in float32, after the activation, without rounding it to
-the activation dtype first. A NaN or infinity in a token's input group makes that token's outputs
-NaN.
-"""
+128 columns, the products q_a * q_w are exact in float32 and summed in float32; the group's sum
+times ``s_a[g] * s_w[g]`` is added to a float32 accumulator, ``s_w[g]`` the weight scale of the
+output row in that group (the row's block's, its channel's or the expert's). The gate/up GEMM
+quantizes x; the down GEMM quantizes h, rounded to the activation dtype first as in the
+bf16 path (vLLM's order). A NaN or infinity in a group of a row makes that row's outputs NaN."""
 from __future__ import annotations
 
 import enum
@@ -136,13 +134,13 @@ def matmul(a: np.ndarray, q: np.ndarray, scale) -> np.ndarray:
     acc = np.zeros((a.shape[0], rows), np.float32)
     for g in range(blocks(cols)):
         span = slice(g * FP8_BLOCK, min(cols, (g + 1) * FP8_BLOCK))
-        group_sum = qa[:, span] @ qw[:, span].T
-        if scale.ndim == 2:  # block
-            acc += group_sum * (sa[:, g, None] * _spread(scale[:, g], rows, axis=0)[None, :])
-        else:
-            acc += group_sum * sa[:, g, None]
-    if scale.ndim == 1:  # channel
-        acc *= scale[None, :]
-    elif scale.ndim == 0:  # expert
-        acc *= scale
+        acc += (qa[:, span] @ qw[:, span].T) * (sa[:, g, None] * _row_scales(scale, g, rows)[None, :])
     return acc
+
+
+def _row_scales(scale: np.ndarray, group: int, rows: int) -> np.ndarray:
+    """float32 [rows]: the weight scale of each output row in column group ``group``, from one
+    expert's scale (block [ceil(R/128), ceil(C/128)], channel [R] or expert, a scalar)."""
+    if scale.ndim == 2:
+        return _spread(scale[:, group], rows, axis=0)
+    return np.broadcast_to(scale, (rows,))

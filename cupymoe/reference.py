@@ -3,7 +3,7 @@
 It follows the kernels' numerics: float32 accumulation; biases, the routing weight on the input and
 the activation applied in float32; the intermediate ``h`` and each expert's output rounded to the
 activation dtype; the combine summed in float32 over j = 0..k-1 in order. FP8 weights follow
-:mod:`cupymoe.fp8` (their GEMMs quantize the input, and h stays float32 for the down GEMM's).
+:mod:`cupymoe.fp8` (their GEMMs quantize their input: x, and h after its rounding).
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def expert_outputs(x, w13, w2, top_k, offsets, sorted_slots, options: ExpertOpti
     """The expert GEMMs: y [T * k, H] in the dispatch's order, row p = w2[e] @ h[p] (+ w2_bias[e])
     with h[p] = act(g, u), g and u the gate and up rows of w13[e] times x[t] (times the slot's
     routing weight with ``options.weight_on_input``), plus w13_bias[e]; for sorted slot p = (t, j)
-    of expert e. h (bf16/fp16 weights only) and y are rounded to x's dtype. ``slot_weights``
+    of expert e. h and y are rounded to x's dtype. ``slot_weights``
     [T * k] float32: the routing weights by slot, needed with weight_on_input. ``scales``: those of
     FP8 weights. Rows past the valid slots are left unwritten."""
     experts, two_i, _ = w13.shape
@@ -102,9 +102,7 @@ def expert_outputs(x, w13, w2, top_k, offsets, sorted_slots, options: ExpertOpti
         if options.w13_bias is not None:
             bias = options.w13_bias[e].astype(np.float32)
             gate, up = gate + bias[:inter], up + bias[inter:]
-        h = activate(options.activation, gate, up)
-        if scales is None:
-            h = h.astype(x.dtype).astype(np.float32)
+        h = activate(options.activation, gate, up).astype(x.dtype).astype(np.float32)
         out = _projection(h, w2, None if scales is None else scales.w2, e)
         if options.w2_bias is not None:
             out += options.w2_bias[e].astype(np.float32)

@@ -38,7 +38,8 @@ def w8a8_oracle_rows(a, q, scale):
 
 
 def w8a8_oracle(x, q13, s13, q2, s2, ids, weights):
-    """The layer in float64 with x and h quantized per token and 128-group as fp8's docstring says."""
+    """The layer in float64 with x and h (rounded to x's dtype) quantized per row and 128-group as
+    fp8's docstring says."""
     inter = q13.shape[1] // 2
     out = np.zeros((x.shape[0], q2.shape[1]))
     for t in range(x.shape[0]):
@@ -48,7 +49,7 @@ def w8a8_oracle(x, q13, s13, q2, s2, ids, weights):
                 continue
             gate_up = w8a8_oracle_rows(x[t:t + 1], q13[e], s13[e])[0]
             g, u = gate_up[:inter], gate_up[inter:]
-            h = g / (1.0 + np.exp(-g)) * u
+            h = (g / (1.0 + np.exp(-g)) * u).astype(x.dtype).astype(np.float64)  # rounded, as in the bf16 path
             out[t] += float(weights[t, j]) * w8a8_oracle_rows(h[None], q2[e], s2[e])[0]
     return out
 
