@@ -44,6 +44,13 @@ SWIGLUOAI_ALPHA = 1.702
 FP8_BLOCK = 128
 E4M3_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-10
+# quantize.cu's threads per block (a warp per row and group of 128 columns).
+QUANTIZE_THREADS = 256
+# The layouts of an FP8 weight's scales (cupymoe.fp8.ScaleLayout's values). expert_gemm's FP8
+# template argument is the index of its weights' (block or channel: the host widens per-expert
+# scales to channels), or NOT_FP8 for bf16/fp16 operands.
+SCALE_LAYOUTS = ("block", "channel", "expert")
+NOT_FP8 = -1
 
 # Flags of an expert GEMM's EPILOGUE template argument: what it adds to a plain SwiGLU.
 EPILOGUE_BIAS = 1  # a bias per expert and output column (w13_bias for gate/up, w2_bias for down)
@@ -66,6 +73,12 @@ DEFINES = {
     **{f"ACT_{name.upper()}": index for index, name in enumerate(ACTIVATIONS)},
     "EPILOGUE_BIAS": EPILOGUE_BIAS,
     "EPILOGUE_INPUT_WEIGHT": EPILOGUE_INPUT_WEIGHT,
+    "FP8_BLOCK": FP8_BLOCK,
+    "QUANTIZE_THREADS": QUANTIZE_THREADS,
+    "E4M3_MAX": f"{E4M3_MAX!r}f",
+    "FP8_AMAX_FLOOR": f"{FP8_AMAX_FLOOR!r}f",
+    **{f"SCALE_{name.upper()}": index for index, name in enumerate(SCALE_LAYOUTS)},
+    "NOT_FP8": NOT_FP8,
     "SWIGLUOAI_LIMIT": f"{SWIGLUOAI_LIMIT!r}f",
     "SWIGLUOAI_ALPHA": f"{SWIGLUOAI_ALPHA!r}f",
 }

@@ -3,7 +3,8 @@
 gate/up: h[p] = act(x[t] @ w13[e, :I].T, x[t] @ w13[e, I:].T) for each sorted slot p = (t, e);
 down:    y[p] = h[p] @ w2[e].T; each with the epilogue of the forward's ExpertOptions (biases, the
 routing weight on the input; kernels_cu/epilogue.cuh). With the BY_SLOT plan both run in slot
-order without a dispatch.
+order without a dispatch. FP8 GEMMs take e4m3 x (or h) and weights, as 16-bit pairs, with their
+scales (cupymoe/fp8.py; _gpu_quantize quantizes x and h).
 """
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _compile, _tma, plans
+from . import _compile, _tma, fp8, plans
+from ._contract import NOT_FP8
 from ._types import ExpertOptions, Shape
 
 # epilogue.cuh's EpilogueArgs, passed by value: the bias and the slots' routing weights (0: none).
 EPILOGUE_ARGS = np.dtype({"names": ["bias", "slot_weights"], "formats": [np.uint64, np.uint64],
                           "offsets": [0, 8], "itemsize": 16, "aligned": True})
+# expert_gemm.cu's Fp8Scales, passed by value: A's and the weights' scales (0: not FP8).
+FP8_SCALES = np.dtype({"names": ["a", "w"], "formats": [np.uint64, np.uint64], "offsets": [0, 8], "itemsize": 16,
+                       "aligned": True})
+NO_SCALES = np.zeros(1, FP8_SCALES)[0]
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,8 @@ class Gemm:
     k_dim: int
     epilogue: plans.Epilogue
     epilogue_args: np.void  # EPILOGUE_ARGS
+    scales: np.void = NO_SCALES  # FP8_SCALES
+    fp8: int = NOT_FP8  # FP8 operands: the layout index of the weight scales (block or channel)
 
 
 def _epilogue_args(bias, slot_weights) -> np.void:
@@ -40,22 +48,42 @@ def _epilogue_args(bias, slot_weights) -> np.void:
     return out[0]
 
 
-def gate_up_gemm(x, w13, h, shape: Shape, options: ExpertOptions, topk_weights) -> Gemm:
-    """``topk_weights`` [T, k] contiguous: read by slot when the weights go on the input."""
+def _fp8(scales) -> tuple:
+    """(FP8_SCALES, template argument) of a GEMM: NOT_FP8 for None, else FP8 operands whose
+    ``scales`` are (A's [rows, K / 128], the weights' in block or channel layout)."""
+    if scales is None:
+        return NO_SCALES, NOT_FP8
+    a_scale, w_scale = scales
+    out = np.zeros(1, FP8_SCALES)
+    out[0] = (a_scale.data.ptr, w_scale.data.ptr)
+    return out[0], fp8.layout_of(w_scale.ndim).index
+
+
+def _pairs(a):
+    """An array of e4m3 bytes (uint8) as the 16-bit pairs that the GEMMs' loaders move."""
+    return a.view(np.uint16) if a.dtype == np.uint8 else a
+
+
+def gate_up_gemm(x, w13, h, shape: Shape, options: ExpertOptions, topk_weights, scales=None) -> Gemm:
+    """``topk_weights`` [T, k] contiguous: read by slot when the weights go on the input. FP8: x
+    and w13 e4m3 (uint8) with ``scales`` (x's, w13's; see _fp8); K then counts byte pairs."""
     args = _epilogue_args(options.w13_bias, topk_weights if options.weight_on_input else None)
-    return Gemm(True, x, w13, h, shape.intermediate, shape.hidden, plans.Epilogue.of(options, True), args)
+    return Gemm(True, _pairs(x), _pairs(w13), h, shape.intermediate, _pairs(x).shape[1],
+                plans.Epilogue.of(options, True), args, *_fp8(scales))
 
 
-def down_gemm(h, w2, y, shape: Shape, options: ExpertOptions) -> Gemm:
+def down_gemm(h, w2, y, shape: Shape, options: ExpertOptions, scales=None) -> Gemm:
+    """FP8: h and w2 e4m3 (uint8) with ``scales`` (h's, w2's)."""
     args = _epilogue_args(options.w2_bias, None)
-    return Gemm(False, h, w2, y, shape.hidden, shape.intermediate, plans.Epilogue.of(options, False), args)
+    return Gemm(False, _pairs(h), _pairs(w2), y, shape.hidden, _pairs(h).shape[1], plans.Epilogue.of(options, False),
+                args, *_fp8(scales))
 
 
 def _compiled(cfg: plans.GemmConfig, gemm: Gemm, dtype, device_id: int, id_type: str = "int"):
     """The kernel of ``cfg`` for ``gemm``'s epilogue, allowed its shared memory."""
     gated = gemm.gated
-    name = cfg.name_expression(dtype, gated, id_type, gemm.epilogue)
-    names = plans.name_expressions(cfg.source, dtype, gated, gemm.epilogue)
+    name = cfg.name_expression(dtype, gated, id_type, gemm.epilogue, gemm.fp8)
+    names = plans.name_expressions(cfg.source, dtype, gated, gemm.epilogue, gemm.fp8)
     if name not in names:  # stages cut for a GPU with less shared memory: a module of its own
         names = (name,)
     kernel = _compile.kernel(cfg.source, name, names, device_id)
@@ -90,11 +118,12 @@ def run(gemm: Gemm, dispatch, shape: Shape, chosen: plans.Plan) -> None:
         elif plan_index >= 0:  # the dispatch may choose the other plan: a grid claiming the tiles
             grid = min(grid, chosen.standby_blocks or
                        _one_wave(kernel, cfg.threads, cfg.shared_bytes(gemm.gated), device_id))
-        kernel((grid,), (cfg.threads,),
-               (gemm.a, dispatch.sorted_slots, np.int32(shape.top_k), w, dispatch.offsets, tile_map,
+        args = (gemm.a, dispatch.sorted_slots, np.int32(shape.top_k), w, dispatch.offsets, tile_map,
                 np.int32(plan_index), np.int32(shape.experts), np.int32(gemm.n_out), np.int32(gemm.k_dim),
-                gemm.c, gemm.epilogue_args),
-               shared_mem=cfg.shared_bytes(gemm.gated))
+                gemm.c, gemm.epilogue_args)
+        if cfg.kernel == plans.MMA:  # expert_gemm's Fp8Scales
+            args += (gemm.scales,)
+        kernel((grid,), (cfg.threads,), args, shared_mem=cfg.shared_bytes(gemm.gated))
 
 
 def run_by_slot(gemms: tuple, ids, slot_positions, shape: Shape, chosen: plans.Plan) -> None:

@@ -1,22 +1,23 @@
 """The GPU forward: dispatch -> gate/up GEMM (SwiGLU) -> down GEMM -> combine, on the current stream;
-for a few slots, the GEMMs by slot without the dispatch."""
+for a few slots, the GEMMs by slot without the dispatch. With FP8 weights x and h are quantized
+(_gpu_quantize) before the GEMMs that read them."""
 from __future__ import annotations
 
 import numpy as np
 
-from . import _checks, _compile, _gpu_combine, _gpu_dispatch, _gpu_experts, plans
-from ._types import ExpertOptions, Shape
+from . import _checks, _compile, _gpu_combine, _gpu_dispatch, _gpu_experts, _gpu_quantize, fp8, plans
+from ._types import ExpertOptions, Shape, WeightScales
 
 
 class Workspace:
     """Everything one forward of a given Shape writes besides ``out``; reusable across calls."""
 
-    def __init__(self, shape: Shape, device_id: int):
+    def __init__(self, shape: Shape, device_id: int, fp8_weights: bool = False):
         import cupy
 
         self.plan = plans.plan(shape.tokens, shape.top_k, shape.experts, shape.hidden,
                                shape.intermediate, _compile.compute_capability(device_id),
-                               _compile.shared_memory_limit(device_id))
+                               _compile.shared_memory_limit(device_id), fp8_weights)
         slots = shape.tokens * shape.top_k
         try:
             if self.plan.by_slot:  # h and y in slot order; the down GEMM writes the positions
@@ -28,6 +29,12 @@ class Workspace:
             # The SwiGLU output and the down projection, in expert order (by slot: slot order).
             self.h = cupy.empty((slots, shape.intermediate), shape.dtype)
             self.y = cupy.empty((slots, shape.hidden), shape.dtype)
+            # FP8: x and h quantized (e4m3 bits) with their scales, the GEMMs' inputs
+            self.quantized = None
+            if fp8_weights:
+                self.quantized = tuple(
+                    (cupy.empty((rows, cols), np.uint8), cupy.empty((rows, fp8.blocks(cols)), np.float32))
+                    for rows, cols in ((shape.tokens, shape.hidden), (slots, shape.intermediate)))
         except cupy.cuda.memory.OutOfMemoryError as err:
             need = slots * (shape.intermediate + shape.hidden) * shape.dtype.itemsize
             raise MemoryError(
@@ -38,14 +45,17 @@ class Workspace:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of GPU memory held: h and y (the dispatch's buffers add a few bytes per slot)."""
-        return self.h.nbytes + self.y.nbytes
+        """Bytes of GPU memory held: h and y, and FP8's quantized x and h (the dispatch's buffers add
+        a few bytes per slot)."""
+        quantized = sum(a.nbytes for pair in self.quantized or () for a in pair)
+        return self.h.nbytes + self.y.nbytes + quantized
 
 
 def forward(a: dict, shape: Shape, workspace: Workspace, out, check_ids: bool, options: ExpertOptions,
-            addend=None):
+            addend=None, scales: WeightScales | None = None):
     """Run the layer on checked CuPy arrays ``a`` (x, w13, w2, topk_ids, topk_weights), with
-    ``addend`` [T, H] (contiguous, x's dtype) added in the combine when given."""
+    ``addend`` [T, H] (contiguous, x's dtype) added in the combine when given; ``scales``: those of
+    FP8 weights (the workspace made for them)."""
     import cupy
 
     if check_ids:
@@ -61,13 +71,42 @@ def forward(a: dict, shape: Shape, workspace: Workspace, out, check_ids: bool, o
     weights = cupy.ascontiguousarray(a["topk_weights"])
     x = _checks.on_gpu_grid(a["x"])
     ws = workspace
-    gate_up = _gpu_experts.gate_up_gemm(x, a["w13"], ws.h, shape, options, weights)
-    down = _gpu_experts.down_gemm(ws.h, a["w2"], ws.y, shape, options)
-    if ws.dispatch is None:
-        _gpu_experts.run_by_slot((gate_up, down), ids, ws.slot_positions, shape, ws.plan)
+    if scales is not None:
+        _fp8_forward(x, ids, weights, a, shape, ws, options, scales)
     else:
-        _gpu_dispatch.launch(ids, ws.dispatch)
-        _gpu_experts.run(gate_up, ws.dispatch, shape, ws.plan)
-        _gpu_experts.run(down, ws.dispatch, shape, ws.plan)
+        gate_up = _gpu_experts.gate_up_gemm(x, a["w13"], ws.h, shape, options, weights)
+        down = _gpu_experts.down_gemm(ws.h, a["w2"], ws.y, shape, options)
+        if ws.dispatch is None:
+            _gpu_experts.run_by_slot((gate_up, down), ids, ws.slot_positions, shape, ws.plan)
+        else:
+            _gpu_dispatch.launch(ids, ws.dispatch)
+            _gpu_experts.run(gate_up, ws.dispatch, shape, ws.plan)
+            _gpu_experts.run(down, ws.dispatch, shape, ws.plan)
     _gpu_combine.run(ws.y, ws.slot_positions, None if options.weight_on_input else weights, out, shape, addend)
     return out
+
+
+def kernel_scales(scales: WeightScales, shape_sizes: tuple) -> WeightScales:
+    """FP8 weight scales as the GEMMs take them: per-expert scales [E] widened to channels [E, rows]
+    (the same value per row, so the same numerics); block and channel scales as they are."""
+    import cupy
+
+    experts, inter, hidden = shape_sizes
+
+    def widened(scale, rows):
+        return cupy.ascontiguousarray(cupy.broadcast_to(scale[:, None], (experts, rows))) if scale.ndim == 1 else scale
+
+    return WeightScales(widened(scales.w13, 2 * inter), widened(scales.w2, hidden))
+
+
+def _fp8_forward(x, ids, weights, a, shape: Shape, ws: Workspace, options: ExpertOptions,
+                 scales: WeightScales) -> None:
+    """Dispatch, x quantized, gate/up, h quantized (its valid rows), down: the FP8 GEMMs into ws.y."""
+    (x_q, x_scale), (h_q, h_scale) = ws.quantized
+    _gpu_dispatch.launch(ids, ws.dispatch)
+    _gpu_quantize.run(x, x_q, x_scale)
+    gate_up = _gpu_experts.gate_up_gemm(x_q, a["w13"], ws.h, shape, options, weights, (x_scale, scales.w13))
+    _gpu_experts.run(gate_up, ws.dispatch, shape, ws.plan)
+    _gpu_quantize.run(ws.h, h_q, h_scale, ws.dispatch.offsets[shape.experts:])
+    down = _gpu_experts.down_gemm(h_q, a["w2"], ws.y, shape, options, (h_scale, scales.w2))
+    _gpu_experts.run(down, ws.dispatch, shape, ws.plan)

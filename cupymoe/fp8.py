@@ -26,18 +26,23 @@ import enum
 import ml_dtypes
 import numpy as np
 
-from ._contract import E4M3_MAX, FP8_AMAX_FLOOR, FP8_BLOCK
+from ._contract import E4M3_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, SCALE_LAYOUTS
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_DTYPES = (E4M3, np.dtype(np.uint8))  # uint8: e4m3 bits (CuPy has no float8 dtype)
 
 
 class ScaleLayout(enum.Enum):
-    """How a weight scale array covers its matrix (see the module docstring)."""
+    """How a weight scale array covers its matrix (see the module docstring); ``index`` is the
+    kernels' number for it."""
 
     BLOCK = "block"
     CHANNEL = "channel"
     EXPERT = "expert"
+
+    @property
+    def index(self) -> int:
+        return SCALE_LAYOUTS.index(self.value)
 
 
 def blocks(size: int) -> int:

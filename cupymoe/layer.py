@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _checks, _workspaces, reference
+from ._contract import FP8_BLOCK
 
 
 def _coerce(**arrays):
@@ -75,8 +76,9 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
         Real weight = FP8 value x scale, one scale per 128 x 128 block (``[E, ceil(2I/128),
         ceil(H/128)]`` and ``[E, ceil(H/128), ceil(I/128)]``), per output channel (``[E, 2I]``,
         ``[E, H]``) or per expert (``[E]``), told apart by their shapes. Activations are then
-        quantized per token and 128 channels (w8a8; see :mod:`cupymoe.fp8`). NumPy only for now:
-        GPU arrays raise NotImplementedError after the checks.
+        quantized per token and 128 channels (w8a8; see :mod:`cupymoe.fp8`). On the GPU (uint8
+        weights: CuPy has no float8 dtype; compute capability 8.9 or newer) H and I must be
+        multiples of 128.
 
     Returns
     -------
@@ -102,18 +104,29 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
     shape = _prepare(xp, a, a["w13"], a["w2"], sizes, _checks.activation_dtype(weights_dtype, options), out)
     if xp is np:
         return _forward_numpy(a, shape, out, check_ids, options, scales)
-    _require_gpu_kernels(scales)
+    _require_fp8_kernels(scales, sizes, a["x"].device.id)
     from . import _gpu_forward
 
     with a["x"].device:
-        workspace = _gpu_forward.Workspace(shape, a["x"].device.id)
-        return _gpu_forward.forward(a, shape, workspace, out, check_ids, options)
+        scales = None if scales is None else _gpu_forward.kernel_scales(scales, sizes)
+        workspace = _gpu_forward.Workspace(shape, a["x"].device.id, scales is not None)
+        return _gpu_forward.forward(a, shape, workspace, out, check_ids, options, scales=scales)
 
 
-def _require_gpu_kernels(scales) -> None:
-    if scales is not None:
-        raise NotImplementedError("FP8 weights (w13_scale, w2_scale) run on the NumPy backend only in this "
-                                  "version: the GPU's FP8 kernels are not built yet (issue #41)")
+def _require_fp8_kernels(scales, sizes: tuple, device_id: int) -> None:
+    """FP8 weights on the GPU: FP8 tensor cores, and H and I in whole 128-column scale groups."""
+    if scales is None:
+        return
+    from . import _compile, plans
+
+    cc = _compile.compute_capability(device_id)
+    if cc < plans.FP8_COMPUTE_CAPABILITY:
+        raise NotImplementedError(f"FP8 weights on the GPU need FP8 tensor cores (compute capability 8.9 or newer); "
+                                  f"GPU {device_id} is {cc / 10:.1f}: dequantize them (cupymoe.fp8.dequantize_weights)")
+    _, inter, hidden = sizes
+    if hidden % FP8_BLOCK or inter % FP8_BLOCK:
+        raise ValueError(f"w13: FP8 weights on the GPU need H and I multiples of {FP8_BLOCK} (a K-tile is one scale "
+                         f"group), got H = {hidden}, I = {inter}")
 
 
 def _forward_numpy(a, shape, out, check_ids, options, scales, addend=None):
@@ -172,8 +185,14 @@ class MoE:
         self.options = _checks.check_options(activation, w13_bias, w2_bias, apply_router_weight_on_input, self.w13,
                                              weights_dtype)
         self.dtype = _checks.activation_dtype(weights_dtype, self.options)
-        if xp is not np:
-            _require_gpu_kernels(self.scales)
+        self._kernel_scales = self.scales  # the GEMMs' form of them (GPU)
+        if xp is not np and self.scales is not None:
+            from . import _gpu_forward
+
+            sizes = (self.num_experts, self.intermediate_size, self.hidden_size)
+            _require_fp8_kernels(self.scales, sizes, self.w13.device.id)
+            with self.w13.device:
+                self._kernel_scales = _gpu_forward.kernel_scales(self.scales, sizes)
         self._workspaces = _workspaces.WorkspaceCache()  # (T, k) -> (Workspace, owned output array)
 
     def free_workspaces(self) -> None:
@@ -209,8 +228,8 @@ class MoE:
         with self.w13.device:
             workspace, owned = self._workspaces.use(
                 (shape.tokens, shape.top_k),
-                lambda: (_gpu_forward.Workspace(shape, self.w13.device.id),
+                lambda: (_gpu_forward.Workspace(shape, self.w13.device.id, self.scales is not None),
                          xp.empty((shape.tokens, shape.hidden), shape.dtype)),
                 captured=xp.cuda.get_current_stream().is_capturing())
             return _gpu_forward.forward(a, shape, workspace, owned if out is None else out, check_ids,
-                                        self.options, addend)
+                                        self.options, addend, self._kernel_scales)

@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from . import _checks
-from ._contract import (ACTIVATIONS, EPILOGUE_BIAS, EPILOGUE_INPUT_WEIGHT, K_TILE, PRODUCER_THREADS,
+from ._contract import (ACTIVATIONS, EPILOGUE_BIAS, EPILOGUE_INPUT_WEIGHT, K_TILE, NOT_FP8, PRODUCER_THREADS,
                         STAGED_SLOTS)
 from ._types import ExpertOptions
 
@@ -85,13 +85,21 @@ class GemmConfig:
         staging = 2 * STAGED_SLOTS * (self.block_n + 16)  # the epilogue's: each consumer's half of the columns
         return stages + 1024 + barriers + staging
 
-    def name_expression(self, dtype, gated: bool, id_type: str = "int", epilogue: Epilogue = PLAIN) -> str:
-        """The kernel's template instantiation; ``id_type`` (an ID_TYPES value) only for SLOT."""
+    def name_expression(self, dtype, gated: bool, id_type: str = "int", epilogue: Epilogue = PLAIN,
+                        fp8: int = NOT_FP8) -> str:
+        """The kernel's template instantiation; ``id_type`` (an ID_TYPES value) only for SLOT,
+        ``fp8`` (e4m3 operands with weight scales of that layout index; ``dtype`` is then the
+        output's) only for MMA."""
         tag = _checks.CUDA_TYPES[dtype]
         tail = f"{'true' if gated else 'false'},{epilogue.activation},{epilogue.flags}"
+        if fp8 != NOT_FP8 and self.kernel != MMA:
+            raise ValueError(f"FP8 operands run on the mma.sync kernel (expert_gemm) only, not {self.kernel}")
         if self.kernel == PERSISTENT:
             return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{self.k_group},{tail}>"
-        name, types = ("slot_gemm", f"{tag},{id_type}") if self.kernel == SLOT else ("expert_gemm", tag)
+        if self.kernel == SLOT:
+            name, types = "slot_gemm", f"{tag},{id_type}"
+        else:
+            name, types, tail = "expert_gemm", tag, f"{tail},{fp8}"
         return (f"{name}<{types},{self.block_m},{self.block_n},{self.warps_m},{self.warps_n},"
                 f"{self.stages},{self.k_group},{tail}>")
 
@@ -152,6 +160,13 @@ PERSISTENT_64 = Plan(_persistent(64, True, 4, k_group=2), _persistent(64, False,
 PERSISTENT_96 = _persistent_plan(96, 4)
 PERSISTENT_160 = _persistent_plan(160, 4)
 PLANS = (BY_SLOT, TINY, SMALL, MEDIUM_32, MEDIUM, LARGE, PERSISTENT_64, PERSISTENT_96, PERSISTENT_160)
+# FP8 weights (w8a8 on mma.sync, sm_89+; on sm_90 ptxas widens e4m3 to f16 for HMMA): the mma.sync
+# plans up to MEDIUM_32 by the thresholds of GPUs without wgmma, TINY from the first slot (slot_gemm
+# has no FP8 variant); beyond, MEDIUM's tiles on 8 warps of 16 rows, since the K-tile sums beside
+# the totals double a warp's accumulators and 32-row warps spill.
+MEDIUM_FP8 = Plan(GemmConfig(64, 64, 4, 2, 4), GemmConfig(64, 128, 4, 2, 4))
+FP8_PLANS = (TINY, SMALL, MEDIUM_32, MEDIUM_FP8)
+FP8_COMPUTE_CAPABILITY = 89
 SLOT_SLOTS = 128  # up to this many routed slots (where TINY's tiles fit), slot_gemm
 TINY_ROWS = 2  # beyond, a skewed routing's busy experts favour the wider tiles
 SMALL_ROWS = 12
@@ -214,12 +229,14 @@ def forced(chosen: Plan):
 
 
 def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
-         compute_capability: int, shared_limit: int) -> Plan:
+         compute_capability: int, shared_limit: int, fp8: bool = False) -> Plan:
     """The GEMM configurations for T tokens routed to k of E experts at sizes H and I, on a GPU
-    of the given compute capability with ``shared_limit`` bytes of shared memory per block; the
-    plan of :func:`forced` inside its block."""
+    of the given compute capability with ``shared_limit`` bytes of shared memory per block, for
+    bf16/fp16 or ``fp8`` weights; the plan of :func:`forced` inside its block."""
     sm90 = compute_capability == WGMMA_COMPUTE_CAPABILITY
     chosen = _FORCED.get()
+    if chosen is not None and fp8 and chosen not in FP8_PLANS:
+        raise ValueError("chosen: FP8 weights run the mma.sync plans only (plans.FP8_PLANS)")
     if chosen is not None:
         if not sm90 and PERSISTENT in (chosen.gate_up.kernel, chosen.down.kernel):
             raise ValueError(f"chosen: the persistent kernel needs compute capability 9.0, "
@@ -227,6 +244,8 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
         return fitted(chosen, hidden, intermediate, shared_limit)
     slots = tokens * top_k
     rows_per_expert = slots / max(1, min(experts, slots))
+    if fp8:
+        return fitted(_fp8_plan(rows_per_expert), hidden, intermediate, shared_limit)
     if rows_per_expert <= TINY_ROWS:
         chosen = BY_SLOT if slots <= SLOT_SLOTS else TINY
     elif rows_per_expert <= (SMALL_ROWS_SM90 if sm90 else SMALL_ROWS):
@@ -248,6 +267,14 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     return fitted(chosen, hidden, intermediate, shared_limit)
 
 
+def _fp8_plan(rows_per_expert: float) -> Plan:
+    if rows_per_expert <= TINY_ROWS:
+        return TINY
+    if rows_per_expert <= SMALL_ROWS:
+        return SMALL
+    return MEDIUM_32 if rows_per_expert <= MEDIUM_32_ROWS else MEDIUM_FP8
+
+
 def fitted(chosen: Plan, hidden: int, intermediate: int, shared_limit: int) -> Plan:
     """``chosen`` (and its skewed plan) with tiles that divide H and I and pipelines that fit
     ``shared_limit`` bytes. A skewed plan that fits to the same configs is dropped."""
@@ -262,16 +289,16 @@ def fitted(chosen: Plan, hidden: int, intermediate: int, shared_limit: int) -> P
 
 
 @functools.lru_cache(maxsize=None)  # every launch asks; building the list takes ~20 us
-def name_expressions(source: str, dtype, gated: bool, epilogue: Epilogue = PLAIN) -> tuple:
+def name_expressions(source: str, dtype, gated: bool, epilogue: Epilogue = PLAIN, fp8: int = NOT_FP8) -> tuple:
     """Every instantiation of one GEMM in ``source`` that the plans use on sm_80 and sm_90, for one
-    dtype and epilogue (one module)."""
+    dtype and epilogue, with bf16/fp16 operands or ``fp8`` ones (one module)."""
     names = []
-    for p in PLANS:
+    for p in PLANS if fp8 == NOT_FP8 else FP8_PLANS:
         cfg = p.gate_up if gated else p.down
         for variant in (cfg, _fit(cfg, LARGE.gate_up if gated else LARGE.down, K_TILE)):
             if variant.source == source:
                 # one name, or slot_gemm's for each id type
-                names += [variant.name_expression(dtype, gated, i, epilogue) for i in ID_TYPES.values()]
+                names += [variant.name_expression(dtype, gated, i, epilogue, fp8) for i in ID_TYPES.values()]
     return tuple(dict.fromkeys(names))
 
 

@@ -49,6 +49,15 @@ template <> struct Float16Traits<f16> {
 
 #undef CUPYMOE_MMA_M16N8K16
 
+// d += a * b on FP8 tensor cores (m16n8k32, e4m3, fp32 accumulation; sm_89+). In units of byte
+// pairs its fragments are those of m16n8k16 above, so the same ldmatrix loads feed it.
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   return static_cast<u32>(__cvta_generic_to_shared(p));
 }

@@ -27,6 +27,16 @@ constexpr int ACT_GELU_TANH = CUPYMOE_ACT_GELU_TANH;
 constexpr int ACT_SWIGLUOAI = CUPYMOE_ACT_SWIGLUOAI;
 constexpr float SWIGLUOAI_LIMIT = CUPYMOE_SWIGLUOAI_LIMIT;
 constexpr float SWIGLUOAI_ALPHA = CUPYMOE_SWIGLUOAI_ALPHA;
+// FP8 weights (cupymoe/fp8.py): scale block and quantization group, e4m3's largest value, the amax
+// floor of a group's scale, and the weight scale layouts (cupymoe/_contract.py's SCALE_LAYOUTS).
+constexpr int FP8_BLOCK = CUPYMOE_FP8_BLOCK;
+constexpr int QUANTIZE_THREADS = CUPYMOE_QUANTIZE_THREADS;  // quantize.cu's block
+constexpr float E4M3_MAX = CUPYMOE_E4M3_MAX;
+constexpr float FP8_AMAX_FLOOR = CUPYMOE_FP8_AMAX_FLOOR;
+constexpr int SCALE_BLOCK = CUPYMOE_SCALE_BLOCK;
+constexpr int SCALE_CHANNEL = CUPYMOE_SCALE_CHANNEL;
+constexpr int SCALE_EXPERT = CUPYMOE_SCALE_EXPERT;
+constexpr int NOT_FP8 = CUPYMOE_NOT_FP8;  // expert_gemm's FP8 argument for bf16/fp16 operands
 // Flags of an expert GEMM's EPILOGUE: a bias per expert and column; the routing weight on the input.
 constexpr int EPILOGUE_BIAS = CUPYMOE_EPILOGUE_BIAS;
 constexpr int EPILOGUE_INPUT_WEIGHT = CUPYMOE_EPILOGUE_INPUT_WEIGHT;

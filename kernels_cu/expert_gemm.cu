@@ -5,6 +5,11 @@
 // a few percent slower); fragments come from shared memory by ldmatrix.
 // GATED blocks keep gate and up accumulators for the same columns and write h = act(gate, up);
 // epilogue.cuh adds the biases and the routing weight on the input (the EPILOGUE flags).
+// FP8 (w8a8, cupymoe/fp8.py; sm_89+): A and B hold e4m3 bytes, taken as 16-bit pairs, so that the
+// loaders, the 128-byte rows and ldmatrix serve unchanged (k_dim counts pairs): a K-tile is then
+// FP8_BLOCK values, one scale group, whose m16n8k32 products sum in the accumulators; after each
+// K-tile they are added to the totals times the group's scales (Fp8Scales) and cleared. The FP8
+// template argument says which: NOT_FP8, or the weight scales' layout.
 // Two kernels compute such tiles:
 //   expert_gemm: the tiles of the dispatch's m-tile map, one per block from a grid of all tiles;
 //                from a smaller grid (one wave, for a launch that may not be the dispatch's choice,
@@ -27,6 +32,60 @@ struct WarpTiles {
   static constexpr int MI = WTM / 16, NI = WTN / 8;
   static_assert(MI >= 1 && NI >= 2 && NI % 2 == 0 && WTM % 16 == 0, "warp tile shape");
 };
+
+// The scales of an FP8 GEMM's operands, passed by value (cupymoe/_gpu_experts.py's FP8_SCALES); null for bf16/fp16.
+struct Fp8Scales {
+  const float* a;  // [rows of A, K / FP8_BLOCK]: x's by token (gate/up), h's by row (down)
+  const float* w;  // the weights': SCALE_BLOCK [E, W rows / FP8_BLOCK, K / FP8_BLOCK], SCALE_CHANNEL [E, W rows]
+};
+// A GEMM's FP8 template argument is NOT_FP8, or the layout of its weight scales, SCALE_BLOCK or
+// SCALE_CHANNEL (the host widens per-expert scales to channels).
+
+// The weight scales of this thread's columns: ``col`` those of its column 0 (weight rows w_row + ni * 8 + p),
+// fixed for SCALE_CHANNEL; for SCALE_BLOCK one per K group of the tile's 128-row block, set by block_scale.
+template <int NI, int FP8>
+struct ColumnScales {
+  float col[FP8 == SCALE_CHANNEL ? NI : 1][2];
+  float block;
+
+  __device__ __forceinline__ ColumnScales(const Fp8Scales& s, int expert, int w_rows, int w_row) {
+    if constexpr (FP8 == SCALE_CHANNEL) {
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int p = 0; p < 2; ++p) col[ni][p] = s.w[(long long)expert * w_rows + w_row + ni * 8 + p];
+    }
+  }
+  __device__ __forceinline__ void block_scale(const Fp8Scales& s, int expert, int w_rows, int w_row, int k_groups,
+                                              int kg) {
+    if constexpr (FP8 == SCALE_BLOCK)
+      block = s.w[((long long)expert * (w_rows / FP8_BLOCK) + w_row / FP8_BLOCK) * k_groups + kg];
+  }
+  __device__ __forceinline__ float of(int ni, int p) const {
+    if constexpr (FP8 == SCALE_CHANNEL) return col[ni][p]; else return block;
+  }
+};
+
+// total += acc * (row scale * weight scale) for one K group, then acc = 0; ``a_scale`` holds the
+// scales of this thread's accumulator rows (mi, half).
+template <int MI, int NI, int FP8>
+__device__ __forceinline__ void promote(float (&total)[MI][NI][4], float (&acc)[MI][NI][4],
+                                        const float (&a_scale)[MI][2], const ColumnScales<NI, FP8>& w_scale) {
+#pragma unroll
+  for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        total[mi][ni][i] = fmaf(acc[mi][ni][i], a_scale[mi][i >> 1] * w_scale.of(ni, i & 1), total[mi][ni][i]);
+        acc[mi][ni][i] = 0.0f;
+      }
+}
+
+template <int FP8, class F>
+__device__ __forceinline__ void mma_step(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  if constexpr (FP8 != NOT_FP8) mma_e4m3(d, a, b0, b1); else F::mma(d, a, b0, b1);
+}
 
 // The epilogue (epilogue.cuh): writes the tile's valid rows of a warp's accumulators, gate/up
 // through the activation, C's row r at order[r] when SLOT_ORDER, else at the tile's slot_base + r.
@@ -74,13 +133,14 @@ __device__ __forceinline__ void store_tile(const Acc& acc, const AccUp& acc_up, 
 // One block's tile, start to end: the main loop streams the K-tiles through STAGES shared stages
 // of KG K-tiles each (the last group may be short), multiplying each stage once it has landed;
 // then the epilogue. ``order`` as RowGather reads it; SLOT_ORDER: C's row r is order[r]
-// (slot_base 0), else slot_base + r.
+// (slot_base 0), else slot_base + r. FP8 (but NOT_FP8): e4m3 operands with their ``scales``.
 template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE,
-          bool SLOT_ORDER>
+          bool SLOT_ORDER, int FP8>
 __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restrict__ a,
                                           const int* __restrict__ order, int top_k,
                                           const u16* __restrict__ w, int n_out, int k_dim,
-                                          u16* __restrict__ c, const EpilogueArgs& epilogue) {
+                                          u16* __restrict__ c, const EpilogueArgs& epilogue,
+                                          const Fp8Scales& scales) {
   using W = WarpTiles<BM, BN, WM, WN>;
   using F = Float16Traits<T>;
   using Loader = TileLoader<BM, BN, W::THREADS, GATED>;
@@ -94,6 +154,23 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
   const int warp_m = warp % WM, warp_n = warp / WM;
   float acc[W::MI][W::NI][4] = {};
   float acc_up[GATED ? W::MI : 1][GATED ? W::NI : 1][4] = {};  // GATED: the up projection's columns
+  constexpr bool SCALED = FP8 != NOT_FP8;
+  float total[SCALED ? W::MI : 1][SCALED ? W::NI : 1][4] = {};  // FP8: the scaled sums of the K-tiles so far
+  float total_up[SCALED && GATED ? W::MI : 1][SCALED && GATED ? W::NI : 1][4] = {};
+  int a_row[SCALED ? W::MI : 1][2];  // FP8: the row of A (and of its scales) of each accumulator row; -1 past the tile
+  const int w_rows = GATED ? 2 * n_out : n_out;
+  const int w_row = tile.n0 + warp_n * W::WTN + (lane & 3) * 2;  // of this thread's column 0
+  ColumnScales<W::NI, FP8> w_scale(scales, tile.expert, w_rows, w_row);
+  ColumnScales<W::NI, GATED ? FP8 : NOT_FP8> w_scale_up(scales, tile.expert, w_rows, w_row + n_out);
+  if constexpr (SCALED) {
+#pragma unroll
+    for (int mi = 0; mi < W::MI; ++mi)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = warp_m * W::WTM + mi * 16 + (lane >> 2) + half * 8, entry = tile.slot_base + r;
+        a_row[mi][half] = r >= tile.rows ? -1 : (order ? order[entry] : entry) / (GATED ? top_k : 1);
+      }
+  }
 
   const int k_tiles = k_dim / BK;
   const int k_groups = (k_tiles + KG - 1) / KG;
@@ -134,34 +211,53 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
           ldmatrix_x4(bf, sb + swizzled_offset(n_row, chunk));
 #pragma unroll
           for (int mi = 0; mi < W::MI; ++mi) {
-            F::mma(acc[mi][2 * nj], af[mi], bf[0], bf[1]);
-            F::mma(acc[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
+            mma_step<FP8, F>(acc[mi][2 * nj], af[mi], bf[0], bf[1]);
+            mma_step<FP8, F>(acc[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
           }
           if constexpr (GATED) {  // the up rows, BN on
             ldmatrix_x4(bf, sb + swizzled_offset(BN + n_row, chunk));
 #pragma unroll
             for (int mi = 0; mi < W::MI; ++mi) {
-              F::mma(acc_up[mi][2 * nj], af[mi], bf[0], bf[1]);
-              F::mma(acc_up[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
+              mma_step<FP8, F>(acc_up[mi][2 * nj], af[mi], bf[0], bf[1]);
+              mma_step<FP8, F>(acc_up[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
             }
           }
+        }
+      }
+      if constexpr (SCALED) {
+        const int kg = g * KG + j;
+        float a_scale[W::MI][2];
+#pragma unroll
+        for (int mi = 0; mi < W::MI; ++mi)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            a_scale[mi][half] = a_row[mi][half] < 0 ? 0.0f : scales.a[(long long)a_row[mi][half] * k_tiles + kg];
+        w_scale.block_scale(scales, tile.expert, w_rows, w_row, k_tiles, kg);
+        promote(total, acc, a_scale, w_scale);
+        if constexpr (GATED) {
+          w_scale_up.block_scale(scales, tile.expert, w_rows, w_row + n_out, k_tiles, kg);
+          promote(total_up, acc_up, a_scale, w_scale_up);
         }
       }
     }
   }
   cp_async_wait<0>();
-  store_tile<T, BM, BN, WM, WN, GATED, ACT, EPILOGUE, SLOT_ORDER>(acc, acc_up, c, tile, order, n_out, warp_m, warp_n,
-                                                                   lane, epilogue);
+  if constexpr (SCALED)
+    store_tile<T, BM, BN, WM, WN, GATED, ACT, EPILOGUE, SLOT_ORDER>(total, total_up, c, tile, order, n_out, warp_m,
+                                                                     warp_n, lane, epilogue);
+  else
+    store_tile<T, BM, BN, WM, WN, GATED, ACT, EPILOGUE, SLOT_ORDER>(acc, acc_up, c, tile, order, n_out, warp_m, warp_n,
+                                                                     lane, epilogue);
 }
 
 // Shared memory bounds the occupancy of both kernels; without the 1, ptxas holds them to fewer
 // registers and spills.
-template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE>
+template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8>
 __global__ void __launch_bounds__(WM * WN * 32, 1)
 expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
             const u16* __restrict__ w, const int* __restrict__ offsets,
             int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
-            u16* __restrict__ c, EpilogueArgs epilogue) {
+            u16* __restrict__ c, EpilogueArgs epilogue, Fp8Scales scales) {
   if (!plan_chosen(tile_offsets, num_experts, plan)) return;
   const bool one_each = gridDim.x >= tile_total(tile_offsets, num_experts) * (n_out / BN);
   __shared__ int claimed;
@@ -169,8 +265,8 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
     Tile tile;
     if (!find_tile<BM, BN>(work, offsets, tile_offsets, num_experts, n_out, tile)) return;
     // down's rows of h are its tiles' positions
-    gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, ACT, EPILOGUE, false>(
-        tile, a, GATED ? sorted_slots : nullptr, top_k, w, n_out, k_dim, c, epilogue);
+    gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, ACT, EPILOGUE, false, FP8>(
+        tile, a, GATED ? sorted_slots : nullptr, top_k, w, n_out, k_dim, c, epilogue, scales);
     if (one_each) return;
     if (threadIdx.x == 0) claimed = gridDim.x + atomicAdd(tile_counter(tile_offsets, num_experts), 1);
     __syncthreads();  // also: every warp is done with this tile's stages before the next one's loads
@@ -217,6 +313,6 @@ slot_gemm(const u16* __restrict__ a, const IdT* __restrict__ ids, int num_slots,
   }
   __syncthreads();
   if (row_count == 0) return;
-  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, ACT, EPILOGUE, true>(Tile{expert, 0, row_count, n_tile * BN}, a,
-                                                                       rows, top_k, w, n_out, k_dim, c, epilogue);
+  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, ACT, EPILOGUE, true, NOT_FP8>(
+      Tile{expert, 0, row_count, n_tile * BN}, a, rows, top_k, w, n_out, k_dim, c, epilogue, Fp8Scales{});
 }

@@ -23,6 +23,10 @@ ORACLE_TOKENS = 8  # the oracle is a Python loop: compare it on the first tokens
 # (3 mantissa bits: rounding errors up to 2^-4 of a value, 2.5-3% rms), and the errors of the two
 # GEMMs add, which lands near 4% on Gaussian data.
 FP8_ORACLE_TOL = 6e-2
+# The FP8 GPU path against the NumPy backend: the same quantization steps, but the float32 sums run
+# in another order, which now and then moves an h value to the neighbouring bf16 value and its e4m3
+# rounding with it (2^-4 of that element).
+FP8_REFERENCE_TOL = 1e-2
 # fp8.matmul against float64 on the same quantized operands: only the float32 sums differ.
 FP8_MATMUL_RTOL = 1e-5
 # Router weights against a float64 softmax: float32 exp and a sum over up to 256 terms.

@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from cupymoe import _checks, _compile, _gpu_combine, _gpu_dispatch, _gpu_route, _gpu_router_logits, plans
-from cupymoe._contract import ACTIVATIONS, EPILOGUE_BIAS, EPILOGUE_INPUT_WEIGHT
+from cupymoe import _checks, _compile, _gpu_combine, _gpu_dispatch, _gpu_quantize, _gpu_route, _gpu_router_logits, plans
+from cupymoe._contract import ACTIVATIONS, EPILOGUE_BIAS, EPILOGUE_INPUT_WEIGHT, SCALE_LAYOUTS
 
 pytest.importorskip("cupy")
 
@@ -26,14 +26,14 @@ MODULES = [
           for source in GEMM_SOURCES for gated, epilogue in EPILOGUES]
 
 
-def _small_shared_memory_names(dtype):
+def _small_shared_memory_names(dtype, fp8=plans.NOT_FP8):
     """Instantiations that only GPUs with 99 KiB of shared memory per block (sm_86, sm_89) use."""
     names = []
     for tokens in (1, 64, 256, 512, 1024, 4096):
-        p = plans.plan(tokens, 8, 256, 4096, 1024, 86, plans.SHARED_LIMIT_SMALLEST)
+        p = plans.plan(tokens, 8, 256, 4096, 1024, 89, plans.SHARED_LIMIT_SMALLEST, fp8 != plans.NOT_FP8)
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
-            name = cfg.name_expression(dtype, gated)
-            if name not in plans.name_expressions(cfg.source, dtype, gated):
+            name = cfg.name_expression(dtype, gated, fp8=fp8)
+            if name not in plans.name_expressions(cfg.source, dtype, gated, fp8=fp8):
                 names.append(name)
     return tuple(dict.fromkeys(names))
 
@@ -42,9 +42,22 @@ def _small_shared_memory_names(dtype):
 ARCHS = ["sm_90a", "sm_80", "sm_100"]
 # Those instantiations are compiled for the GPUs that run them (sm_120: RTX 50-series, 99 KiB too).
 SMALL_SHARED_MEMORY_ARCHS = ["sm_86", "sm_89", "sm_120"]
+# FP8 (sm_89 and up): the quantization, and the mma.sync GEMM for each kernel layout of the weight
+# scales, both dtypes, the plain and the fullest epilogue.
+FP8_ARCHS = ["sm_89", "sm_90a", "sm_100", "sm_120"]
+FP8_LAYOUTS = [SCALE_LAYOUTS.index("block"), SCALE_LAYOUTS.index("channel")]
+MMA_SOURCE = plans.SOURCES[plans.MMA]
+FP8_MODULES = [(_gpu_quantize.SOURCE, _gpu_quantize.NAMES)] + [
+    (MMA_SOURCE, plans.name_expressions(MMA_SOURCE, dtype, gated, plans.PLAIN, layout))
+    for layout in FP8_LAYOUTS for dtype in (_checks.BFLOAT16, _checks.FLOAT16) for gated in (True, False)
+] + [(MMA_SOURCE, plans.name_expressions(MMA_SOURCE, _checks.BFLOAT16, True, EPILOGUES[-2][1], layout))
+     for layout in FP8_LAYOUTS]
 TARGETS = [(source, names, arch) for source, names in MODULES for arch in ARCHS] + [
     (plans.SOURCES[plans.MMA], _small_shared_memory_names(dtype), arch)
-    for dtype in (_checks.BFLOAT16, _checks.FLOAT16) for arch in SMALL_SHARED_MEMORY_ARCHS]
+    for dtype in (_checks.BFLOAT16, _checks.FLOAT16) for arch in SMALL_SHARED_MEMORY_ARCHS] + [
+    (source, names, arch) for source, names in FP8_MODULES for arch in FP8_ARCHS] + [
+    (MMA_SOURCE, names, "sm_89") for names in [_small_shared_memory_names(_checks.BFLOAT16, layout)
+                                                for layout in FP8_LAYOUTS] if names]
 
 
 def _nvrtc_archs():

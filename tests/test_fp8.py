@@ -1,15 +1,16 @@
 """FP8 expert weights (cupymoe.fp8): the scale layouts, quantization, the w8a8 GEMM numerics, and the
 layer on FP8 weights against float64 oracles (the dequantized weights, FP8_ORACLE_TOL; the same
-w8a8 steps written independently, ORACLE_TOL); ragged sizes, -1 ids, T = 0, checks; the GPU's
-NotImplementedError."""
+w8a8 steps written independently, ORACLE_TOL); ragged sizes, -1 ids, T = 0, checks; the loader of
+FP8 checkpoints; on the GPU the kernels against the NumPy backend (FP8_REFERENCE_TOL), bitwise
+determinism, batch invariance and graph replay."""
 import ml_dtypes
 import numpy as np
 import pytest
 
 import cupymoe
-from cupymoe import fp8
-from helpers import (BF16, FP8_MATMUL_RTOL, FP8_ORACLE_TOL, FP16, ORACLE_TOL, oracle, poison, random_problem,
-                     rel_l2)
+from cupymoe import fp8, plans
+from helpers import (BF16, FP8_MATMUL_RTOL, FP8_ORACLE_TOL, FP8_REFERENCE_TOL, FP16, ORACLE_TOL, host_bits, oracle,
+                     poison, random_problem, rel_l2)
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 LAYOUTS = ["block", "channel", "expert"]
@@ -222,20 +223,133 @@ def test_bad_fp8_arguments(make, error, match):
         cupymoe.MoE(w13, w2, **kwargs)
 
 
+# ---- GPU: the kernels (quantize.cu, expert_gemm.cu's FP8 instantiations) against the NumPy backend
+
+
+def gpu_fp8(cupy, problem):
+    """The problem's arrays on the GPU, the FP8 weights as uint8 bits."""
+    x, (q13, s13, q2, s2), ids, weights = problem
+    return (cupy.asarray(x), cupy.asarray(q13.view(np.uint8)), cupy.asarray(s13), cupy.asarray(q2.view(np.uint8)),
+            cupy.asarray(s2), cupy.asarray(ids), cupy.asarray(weights))
+
+
+def gpu_forward(cupy, args, **kwargs):
+    x, q13, s13, q2, s2, ids, weights = args
+    out = poison(cupy.empty_like(x))
+    return cupymoe.fused_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2, out=out, **kwargs)
+
+
 @pytest.mark.gpu
-def test_gpu_fp8_weights_are_not_implemented_yet():
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cols", [256, 192, 64])
+def test_quantize_kernel_is_quantize_activations(cols, dtype):
+    import cupy
+    from cupymoe import _gpu_quantize
+
+    rng = np.random.default_rng(cols)
+    a = (rng.standard_normal((37, cols)) * rng.uniform(1e-3, 1e3, (37, 1))).astype(dtype)
+    a[3] = 0
+    a[5, 7] = np.nan
+    a[6, 1] = np.inf
+    q = cupy.full(a.shape, 0x55, np.uint8)
+    scale = cupy.full((37, -(-cols // 128)), np.nan, np.float32)
+    _gpu_quantize.run(cupy.asarray(a), q, scale)
+    want_q, want_scale = fp8.quantize_activations(a)
+    np.testing.assert_array_equal(scale.get(), want_scale)
+    got = q.get().view(E4M3).astype(np.float32)
+    want = want_q.astype(np.float32)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.nan_to_num(got), np.nan_to_num(want))
+
+
+@pytest.mark.gpu
+def test_quantize_kernel_stops_at_the_row_count():
+    import cupy
+    from cupymoe import _gpu_quantize
+
+    a = cupy.ones((10, 128), BF16)
+    q = cupy.zeros((10, 128), np.uint8)
+    scale = cupy.zeros((10, 1), np.float32)
+    _gpu_quantize.run(a, q, scale, cupy.array([4], np.int32))
+    assert (q[:4].get() != 0).all() and (q[4:].get() == 0).all() and (scale[4:].get() == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", plans.FP8_PLANS, ids=lambda p: f"bm{p.gate_up.block_m}")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_gpu_against_the_numpy_backend(tokens, layout, plan):
     import cupy
 
-    rng = np.random.default_rng(0)
-    x, (q13, s13, q2, s2), ids, weights = fp8_problem(rng, 3, 256, 4, 128, 2, "block")
-    g13, g2, gs13, gs2 = (cupy.asarray(a) for a in (q13.view(np.uint8), q2.view(np.uint8), s13, s2))
-    with pytest.raises(NotImplementedError, match="FP8 weights"):
-        cupymoe.MoE(g13, g2, w13_scale=gs13, w2_scale=gs2)
-    with pytest.raises(NotImplementedError, match="FP8 weights"):
-        cupymoe.fused_experts(cupy.asarray(x), g13, g2, cupy.asarray(ids), cupy.asarray(weights), w13_scale=gs13,
-                              w2_scale=gs2)
-    with pytest.raises(ValueError, match="w13_scale: expected a shape"):  # checks still come first
-        cupymoe.MoE(g13, g2, w13_scale=gs13[:, :1], w2_scale=gs2)
+    problem = fp8_problem(np.random.default_rng(tokens), tokens, 256, 8, 384, 4, layout)
+    problem[2][0, 1] = -1
+    x, (q13, s13, q2, s2), ids, weights = problem
+    want = cupymoe.fused_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2)
+    args = gpu_fp8(cupy, problem)
+    with plans.forced(plan):
+        got = gpu_forward(cupy, args)
+        again = gpu_forward(cupy, args)
+    assert rel_l2(got, want) < FP8_REFERENCE_TOL
+    assert np.array_equal(host_bits(got), host_bits(again))
+    n = min(tokens, 4)
+    assert rel_l2(got[:n], w8a8_oracle(x[:n], q13, s13, q2, s2, ids[:n], weights[:n])) < ORACLE_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["one", "sparse"])
+def test_gpu_skewed_routing_options_and_fp16(routing):
+    import cupy
+
+    rng = np.random.default_rng(4)
+    x, w13, w2, ids, weights = random_problem(rng, 200, 256, 16, 128, 4, FP16, routing)
+    q13, s13 = fp8.quantize_weights(w13, "block")
+    q2, s2 = fp8.quantize_weights(w2, "channel")
+    kwargs = dict(activation="swigluoai", apply_router_weight_on_input=True,
+                  w13_bias=(0.5 * rng.standard_normal((16, 256))).astype(FP16),
+                  w2_bias=(0.5 * rng.standard_normal((16, 256))).astype(FP16))
+    want = cupymoe.fused_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2, **kwargs)
+    args = gpu_fp8(cupy, (x, (q13, s13, q2, s2), ids, weights))
+    gpu_kwargs = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+    assert rel_l2(gpu_forward(cupy, args, **gpu_kwargs), want) < FP8_REFERENCE_TOL
+
+
+@pytest.mark.gpu
+def test_gpu_layer_zero_tokens_batch_invariance_and_graph_replay():
+    import cupy
+
+    problem = fp8_problem(np.random.default_rng(6), 300, 256, 16, 128, 4, "expert")
+    x, q13, s13, q2, s2, ids, weights = gpu_fp8(cupy, problem)
+    layer = cupymoe.MoE(q13, q2, w13_scale=s13, w2_scale=s2)
+    assert layer(x[:0], ids[:0], weights[:0]).shape == (0, 256)
+    full = layer(x, ids, weights).copy()
+    for rows in (slice(0, 1), slice(5, 12), slice(17, 81)):  # other plans, the same bits
+        assert np.array_equal(host_bits(layer(x[rows], ids[rows], weights[rows])), host_bits(full[rows]))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        part = [cupy.ascontiguousarray(a[:64]) for a in (x, ids, weights)]
+        layer(*part, check_ids=False)
+        stream.begin_capture()
+        out = layer(*part, check_ids=False)
+        graph = stream.end_capture()
+        part[0][...] = x[100:164]
+        part[1][...] = ids[100:164]
+        part[2][...] = weights[100:164]
+        poison(out)
+        graph.launch(stream)
+        stream.synchronize()
+    assert np.array_equal(host_bits(out), host_bits(full[100:164]))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_checks():
+    import cupy
+
+    problem = fp8_problem(np.random.default_rng(0), 3, 192, 4, 128, 2, "block")
+    x, q13, s13, q2, s2, ids, weights = gpu_fp8(cupy, problem)
+    with pytest.raises(ValueError, match="w13: FP8 weights on the GPU need H and I multiples of 128"):
+        cupymoe.MoE(q13, q2, w13_scale=s13, w2_scale=s2)
+    with pytest.raises(ValueError, match="w13_scale: expected a shape"):  # the checks of both backends first
+        cupymoe.fused_experts(x, q13, q2, ids, weights, w13_scale=s13[:, :1], w2_scale=s2)
 
 
 def fp8_checkpoint(rng, experts=16, hidden=256, inter=128):

@@ -144,6 +144,23 @@ def test_skewed_plans_fit_and_are_precompiled(cc, hidden, inter, p):
         assert cfg.name_expression(_checks.BFLOAT16, gated) in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated)
 
 
+@pytest.mark.parametrize("cc", [89, 90, 100])
+def test_fp8_weights_take_the_mma_plans_and_their_compiled_names(cc):
+    seen = set()
+    for tokens in (1, 3, 16, 64, 256, 512, 1024, 8192):
+        p = plans.plan(tokens, 8, 256, 7168, 2048, cc, 227 * 1024, fp8=True)
+        assert p.skewed is None and p.gate_up.kernel == p.down.kernel == plans.MMA
+        for cfg, gated in ((p.gate_up, True), (p.down, False)):
+            name = cfg.name_expression(_checks.BFLOAT16, gated, fp8=0)
+            assert name.endswith(",0>") and name in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated, fp8=0)
+        seen.add(p)
+    assert seen == set(plans.FP8_PLANS)
+    with plans.forced(plans.PERSISTENT_96), pytest.raises(ValueError, match="FP8 weights run the mma.sync plans"):
+        plans.plan(64, 8, 256, 7168, 2048, cc, 227 * 1024, fp8=True)
+    with pytest.raises(ValueError, match="FP8 operands run on the mma.sync kernel"):
+        plans.BY_SLOT.gate_up.name_expression(_checks.BFLOAT16, True, fp8=0)
+
+
 def test_forced_plan_is_used_and_restored():
     """plans.forced: inside the block plan() returns the forced plan fitted to H and I; after it,
     the heuristic again. A persistent plan on a GPU without wgmma is refused."""
