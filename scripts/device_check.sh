@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: install cupymoe, run the GPU test tier and the examples, then the benchmark
-# suite from a wheel install, run outside the checkout. Logs, the suite's JSON and its plot go to
-# $OUT (default /tmp/cupymoe-device). One call does it all.
+# suite from a wheel install, run outside the checkout, with bf16 and with FP8 weights
+# (DEVICE_CHECK_SUITES="bf16" for one). Logs, the suites' JSON and plots go to $OUT (default
+# /tmp/cupymoe-device). One call does it all.
 set -uo pipefail
 out="${OUT:-/tmp/cupymoe-device}"
 mkdir -p "$out"
@@ -26,10 +27,12 @@ done | tee "$out/examples.log"
 
 echo "== benchmark suite, from a wheel install, outside the checkout"
 python3 -m pip install --no-deps --no-build-isolation . >>"$out/pip.log" 2>&1 || { tail "$out/pip.log"; exit 1; }
-(cd /tmp && python3 -c 'import cupymoe; print("cupymoe from", cupymoe.__file__)' &&
- python3 -m cupymoe.bench --out "$out") >"$out/suite.log" 2>&1
-bench_rc=$?
-grep -v '^\[' "$out/suite.log" | tail -n 30
+bench_rc=0
+for weights in ${DEVICE_CHECK_SUITES:-bf16 fp8}; do
+  (cd /tmp && python3 -c 'import cupymoe; print("cupymoe from", cupymoe.__file__)' &&
+   python3 -m cupymoe.bench --weights "$weights" --out "$out") >"$out/suite-$weights.log" 2>&1 || bench_rc=$?
+  grep -v '^\[' "$out/suite-$weights.log" | tail -n 30
+done
 
 echo "== exit codes: tests $tests_rc, suite $bench_rc"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -82,6 +82,32 @@ def test_sol_counts_bytes_below_the_crossover_and_flops_above():
     assert cases.sol_ms(SMALL, 10, 3, 1e30, 1e9) == pytest.approx(6 * 10 * k * h * i / 1e9 * 1e3)
 
 
+def test_fp8_sol_streams_one_byte_per_weight():
+    h, i, k = SMALL.hidden, SMALL.intermediate, SMALL.top_k
+    moved = 3 * 3 * h * i + 2 * 10 * h * 2 + 10 * k * 8
+    assert cases.sol_ms(SMALL, 10, 3, 1e9, 1e30, weight_bytes=1) == pytest.approx(moved / 1e9 * 1e3)
+
+
+@pytest.mark.gpu
+def test_fp8_suite_weights_are_fp8_quantize_weights():
+    import cupy
+
+    from cupymoe import fp8
+    from cupymoe.bench import measure
+
+    model = cases.Model(hidden=256, experts=20, intermediate=128, top_k=2)  # two chunks of experts
+    weights = measure.SuiteWeights(model, "fp8")
+    q13, s13, q2, s2 = weights.fp8
+    for (q, s), w in zip(((q13, s13), (q2, s2)), weights.bf16):
+        want_q, want_s = fp8.quantize_weights(w.get(), "block")
+        np.testing.assert_array_equal(q.get(), want_q.view(np.uint8))
+        np.testing.assert_array_equal(s.get(), want_s)
+    w13, w2 = weights.expert(7)
+    np.testing.assert_array_equal(w13.get(), fp8.dequantize_weights(q13.get()[7:8], s13.get()[7:8])[0])
+    np.testing.assert_array_equal(w2.get(), fp8.dequantize_weights(q2.get()[7:8], s2.get()[7:8])[0])
+    assert weights.layer().scales is not None and weights.tolerance == 6e-2
+
+
 def test_select_cases_keeps_suite_order_and_names_unknown_ids():
     _, suite_cases = reference_suite()
     assert [c.id for c in cases.select_cases(suite_cases, "z64, u1")] == ["u1", "z64"]
@@ -100,7 +126,8 @@ def row(case_id, sol, ms, peer_ms=None, rel_err=3e-3, peer_rel_err=None):
     """A row as run_case makes it; ``ms`` None as check_and_time leaves a failed check."""
     return {"id": case_id, "T": int(case_id[1:]), "routing": "uniform", "active_experts": 8, "sol_ms": sol,
             "ms_graph": ms, "ms_eager": None if ms is None else ms * 1.1, "rel_err": rel_err,
-            "peak_mem_MiB": 1.0, "peer_ms_graph": peer_ms, "peer_ms_eager": None, "peer_rel_err": peer_rel_err}
+            "passed": rel_err < 1e-2, "peak_mem_MiB": 1.0, "peer_ms_graph": peer_ms, "peer_ms_eager": None,
+            "peer_rel_err": peer_rel_err, "peer_passed": None if peer_rel_err is None else peer_rel_err < 1e-2}
 
 
 def test_suite_figures_are_the_mean_and_the_ratio_of_sums():
@@ -127,11 +154,12 @@ def test_the_table_shows_share_speedup_and_failures():
 
 def test_command_line_defaults_and_errors(capsys):
     args, model, chosen = suite.parse_args(["--only", "u1,z64"])
-    assert (args.reps, args.no_peer, args.no_graph) == (25, False, False)
+    assert (args.reps, args.no_peer, args.no_graph, args.weights) == (25, False, False, "bf16")
+    assert suite.parse_args(["--weights", "fp8"])[0].weights == "fp8"
     assert args.cases == CASES  # the suite shipped inside the package
     assert [c.id for c in chosen] == ["u1", "z64"] and model.experts == 256
     for bad in (["--cases", str(CASES), "--reps", "0"], ["--cases", str(CASES), "--only", "u3"],
-                ["--cases", str(CASES.with_name("missing.json"))]):
+                ["--cases", str(CASES.with_name("missing.json"))], ["--weights", "int4"]):
         with pytest.raises(SystemExit):
             suite.parse_args(bad)
     assert "--reps must be at least 1" in capsys.readouterr().err

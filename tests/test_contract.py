@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from cupymoe import _checks, _compile, _contract, _gpu_dispatch, _tma, plans
+from cupymoe import _checks, _compile, _contract, _gpu_dispatch, _gpu_experts, _tma, plans
 
 pytest.importorskip("cupy")
 
@@ -70,6 +70,11 @@ def test_structs_passed_by_value_have_the_hosts_layout():
     asserts += [f"static_assert(sizeof(TileMap::{name}) == {dtype.itemsize}, \"{name}\");"
                 for name, (dtype, _) in fields]
     compile_asserts(_gpu_dispatch.SOURCE, asserts)
+    for struct, dtype in (("EpilogueArgs", _gpu_experts.EPILOGUE_ARGS), ("Fp8Scales", _gpu_experts.FP8_SCALES)):
+        asserts = [f"static_assert(sizeof({struct}) == {dtype.itemsize}, \"{struct} size\");"]
+        asserts += [f"static_assert(sizeof({struct}::{name}) == {field.itemsize}, \"{name}\");"
+                    for name, (field, _) in sorted(dtype.fields.items(), key=lambda item: item[1][1])]
+        compile_asserts(plans.SOURCES[plans.MMA], asserts)
     compile_asserts(plans.SOURCES[plans.PERSISTENT], [
         f"static_assert(sizeof(TensorMap) == {_tma.TENSOR_MAP.itemsize}, \"TensorMap size\");",
         f"static_assert(alignof(TensorMap) == 64, \"a CUtensorMap is 64-byte aligned\");",

@@ -99,13 +99,14 @@ def active_experts(topk_ids) -> int:
     return int(np.unique(topk_ids).size)
 
 
-def sol_ms(model: Model, tokens: int, active: int, read_bw: float, matmul_rate: float) -> float:
+def sol_ms(model: Model, tokens: int, active: int, read_bw: float, matmul_rate: float, weight_bytes: int = 2) -> float:
     """Speed of light of one forward in ms: max(bytes / read_bw, flops / matmul_rate).
 
-    bytes = active*3*H*I*2 (expert weights) + 2*T*H*2 (x and out) + T*k*8 (ids and weights);
-    flops = 6*T*k*H*I. ``read_bw`` in bytes/s, ``matmul_rate`` in FLOP/s.
+    bytes = active*3*H*I*weight_bytes (expert weights: 2 bf16, 1 FP8, whose block scales add
+    1/4096 and are left out) + 2*T*H*2 (x and out) + T*k*8 (ids and weights); flops = 6*T*k*H*I.
+    ``read_bw`` in bytes/s, ``matmul_rate`` in FLOP/s (of the weights' precision).
     """
     h, i, k = model.hidden, model.intermediate, model.top_k
-    moved = active * 3 * h * i * 2 + 2 * tokens * h * 2 + tokens * k * 8
+    moved = active * 3 * h * i * weight_bytes + 2 * tokens * h * 2 + tokens * k * 8
     flops = 6 * tokens * k * h * i
     return max(moved / read_bw, flops / matmul_rate) * 1e3

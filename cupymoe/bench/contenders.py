@@ -7,38 +7,35 @@ import functools
 
 import numpy as np
 
-from .. import MoE
 from .measure import time_call
 
 BF16_NAN_BITS = 0x7FC0  # outputs are poisoned with this before every checked run
-TOLERANCE = 1e-2  # relative L2 error allowed against the float32 reference
-
-
-def reference_output(x, topk_ids, topk_weights, w13, w2):
+def reference_output(x, topk_ids, topk_weights, expert):
     """The float32 MoE output [T, H] on the GPU, one active expert at a time.
 
-    ``x``, ``w13``, ``w2`` are the bf16 CuPy inputs (upcast here); ``topk_ids`` and
-    ``topk_weights`` are the NumPy routing arrays.
+    ``x`` is the bf16 CuPy input (upcast here); ``topk_ids`` and ``topk_weights`` are the NumPy
+    routing arrays; ``expert(e)`` gives expert e's (w13 [2I, H], w2 [H, I]) in float32.
     """
     import cupy
 
     tokens, top_k = topk_ids.shape
-    inter = w13.shape[1] // 2
+    experts = int(topk_ids.max()) + 1
     flat = topk_ids.ravel()
     order = np.argsort(flat, kind="stable")
-    bounds = np.searchsorted(flat[order], np.arange(w13.shape[0] + 1))
+    bounds = np.searchsorted(flat[order], np.arange(experts + 1))
     rows = cupy.asarray(order // top_k)
     scales = cupy.asarray(topk_weights.ravel()[order])[:, None]
     x32 = x.astype(cupy.float32)
-    out = cupy.zeros((tokens, w2.shape[1]), cupy.float32)
+    out = cupy.zeros(x.shape, cupy.float32)
     for e in np.flatnonzero(np.diff(bounds)):
         lo, hi = bounds[e], bounds[e + 1]
         xs = x32[rows[lo:hi]]
-        w = w13[e].astype(cupy.float32)
-        gate, up = xs @ w[:inter].T, xs @ w[inter:].T
+        w13, w2 = expert(int(e))
+        inter = w13.shape[0] // 2
+        gate, up = xs @ w13[:inter].T, xs @ w13[inter:].T
         h = gate / (1 + cupy.exp(-gate)) * up
         # A token's k experts are distinct, so rows[lo:hi] has no repeats and += is exact.
-        out[rows[lo:hi]] += scales[lo:hi] * (h @ w2[e].astype(cupy.float32).T)
+        out[rows[lo:hi]] += scales[lo:hi] * (h @ w2.T)
     return out
 
 
@@ -61,13 +58,14 @@ def rel_l2(got, want) -> float:
     return float(cupy.linalg.norm(diff) / cupy.linalg.norm(want))
 
 
-def check_and_time(eager, capture, ref, stream, flush, reps) -> dict:
+def check_and_time(eager, capture, ref, stream, flush, reps, tolerance) -> dict:
     """Check one contender's outputs against ``ref``, then time it.
 
     ``eager()`` runs one forward on ``stream`` and returns its output; ``capture()`` records
     one forward in a CUDA graph and returns ``(replay, output)``, or ``capture`` is None to
     skip graphs. Outputs are poisoned before each checked run. Returns ``rel_err`` (the worse
-    of eager and graph), ``ms_eager`` and ``ms_graph``; the times are None when the check fails.
+    of eager and graph), ``ms_eager`` and ``ms_graph``; the times are None when the error is not
+    below ``tolerance``.
     """
     poison(eager())
     errors = [rel_l2(eager(), ref)]
@@ -78,7 +76,7 @@ def check_and_time(eager, capture, ref, stream, flush, reps) -> dict:
         replay()
         errors.append(rel_l2(out, ref))
     err = float(np.max(errors))
-    passed = err < TOLERANCE
+    passed = err < tolerance
     return {
         "rel_err": err,
         "ms_eager": time_call(eager, stream, flush, reps) if passed else None,
@@ -86,15 +84,16 @@ def check_and_time(eager, capture, ref, stream, flush, reps) -> dict:
     }
 
 
-def bench_cupymoe(w13, w2, inputs, ref, stream, flush, reps, graph) -> dict:
-    """cupymoe on one case: peak memory of its first call, then :func:`check_and_time`.
+def bench_cupymoe(weights, inputs, ref, stream, flush, reps, graph) -> dict:
+    """cupymoe on one case (``weights``: measure.SuiteWeights): peak memory of its first call,
+    then :func:`check_and_time`.
 
     ``peak_mem_MiB`` is the growth of CuPy's default memory pool (emptied of cached blocks
     first) over the first call of a fresh ``MoE``: workspace, output and temporaries.
     """
     import cupy
 
-    moe = MoE(w13, w2)
+    moe = weights.layer()
 
     def eager():
         return moe(*inputs, check_ids=False)
@@ -111,7 +110,7 @@ def bench_cupymoe(w13, w2, inputs, ref, stream, flush, reps, graph) -> dict:
     before = pool.total_bytes()
     eager()  # allocates the workspace and compiles the kernels
     peak = (pool.total_bytes() - before) / 2**20
-    result = check_and_time(eager, capture if graph else None, ref, stream, flush, reps)
+    result = check_and_time(eager, capture if graph else None, ref, stream, flush, reps, weights.tolerance)
     return {"peak_mem_MiB": peak, **result}
 
 
@@ -169,7 +168,7 @@ class TorchGroupedMM:
         out.index_add_(0, rows, down * topk_weights.reshape(-1)[order].unsqueeze(1))
         return out.to(x.dtype)
 
-    def bench(self, inputs, ref, stream, flush, reps, graph) -> dict:
+    def bench(self, inputs, ref, stream, flush, reps, graph, tolerance) -> dict:
         """:func:`check_and_time` on one case's CuPy inputs (CuPy's current stream must be
         ``stream``); keys prefixed ``peer_``."""
         torch = self.torch
@@ -185,5 +184,5 @@ class TorchGroupedMM:
             return cuda_graph.replay, out
 
         with torch.cuda.stream(self.stream):
-            result = check_and_time(eager, capture if graph else None, ref, stream, flush, reps)
+            result = check_and_time(eager, capture if graph else None, ref, stream, flush, reps, tolerance)
         return {f"peer_{key}": value for key, value in result.items()}

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._contract import E4M3_MAX, FP8_AMAX_FLOOR, FP8_BLOCK
+from ..fp8 import E4M3
 from .cases import BF16, Model
 
 WARMUP = 3  # untimed reps before every timing
@@ -73,6 +75,92 @@ def matmul_rate(stream, flush) -> float:
     a, b = (rng.standard_normal((MATMUL_N, MATMUL_N), dtype=cupy.float32).astype(BF16) for _ in range(2))
     ms = time_call(lambda: cupy.matmul(a, b), stream, flush, MATMUL_REPS)
     return 2 * MATMUL_N**3 / (ms * 1e-3)
+
+
+def fp8_matmul_rate(stream, flush):
+    """FP8 (e4m3) matmul rate in FLOP/s through torch._scaled_mm (cuBLASLt), MATMUL_N^3, median of
+    MATMUL_REPS on ``stream``; None where torch cannot run it."""
+    try:
+        import torch
+
+        a = torch.randn(MATMUL_N, MATMUL_N, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(MATMUL_N, MATMUL_N, device="cuda").to(torch.float8_e4m3fn).t()  # column-major
+        one = torch.ones((), device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+            ms = time_call(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), stream, flush,
+                           MATMUL_REPS)
+    except Exception as err:  # no torch, no CUDA torch, or no FP8 matmul on this GPU
+        print(f"FP8 matmul rate not measured: {type(err).__name__}: {err}", flush=True)
+        return None
+    return 2 * MATMUL_N**3 / (ms * 1e-3)
+
+
+class SuiteWeights:
+    """The experts a suite runs: the bf16 draw of :func:`expert_weights`, or ("fp8") that draw as
+    block-scaled FP8 (:func:`fp8_weights`). ``expert(e)`` gives expert e's real values in float32
+    (FP8: dequantized) for the reference; ``layer()`` a fresh cupymoe MoE of them."""
+
+    TOLERANCES = {"bf16": 1e-2, "fp8": 6e-2}  # relative L2 against the reference (FP8: tests/helpers.py's)
+    WEIGHT_BYTES = {"bf16": 2, "fp8": 1}
+
+    def __init__(self, model: Model, kind: str):
+        self.kind = kind
+        self.bf16 = expert_weights(model)
+        self.fp8 = fp8_weights(*self.bf16) if kind == "fp8" else None
+        self.tolerance = self.TOLERANCES[kind]
+        self.weight_bytes = self.WEIGHT_BYTES[kind]
+
+    def expert(self, e: int):
+        import cupy
+
+        if self.fp8 is None:
+            return tuple(w[e].astype(cupy.float32) for w in self.bf16)
+        q13, s13, q2, s2 = self.fp8
+        values = cupy.asarray(np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32))  # e4m3 bits -> value
+        return tuple(values[q[e]] * cupy.repeat(cupy.repeat(s[e], FP8_BLOCK, 0), FP8_BLOCK, 1)
+                     for q, s in ((q13, s13), (q2, s2)))
+
+    def layer(self):
+        from .. import MoE
+
+        if self.fp8 is None:
+            return MoE(*self.bf16)
+        q13, s13, q2, s2 = self.fp8
+        return MoE(q13, q2, w13_scale=s13, w2_scale=s2)
+
+
+def fp8_weights(w13, w2):
+    """The bf16 CuPy weights as block-scaled FP8 (cupymoe.fp8, "block"): (q13, s13, q2, s2) with q
+    uint8 e4m3 bits, WEIGHT_CHUNK experts at a time on the GPU; sizes in whole 128-blocks."""
+    import cupy
+
+    out = []
+    for w in (w13, w2):
+        e, rows, cols = w.shape
+        q = cupy.empty(w.shape, np.uint8)
+        scale = cupy.empty((e, rows // FP8_BLOCK, cols // FP8_BLOCK), np.float32)
+        for lo in range(0, e, WEIGHT_CHUNK):
+            block = w[lo:lo + WEIGHT_CHUNK].astype(cupy.float32)
+            n = block.shape[0]
+            tiles = block.reshape(n, rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+            amax = cupy.abs(tiles).max(axis=(2, 4))
+            scale[lo:lo + n] = cupy.maximum(amax, np.float32(FP8_AMAX_FLOOR)) / np.float32(E4M3_MAX)
+            spread = scale[lo:lo + n][:, :, None, :, None]
+            q[lo:lo + n] = _e4m3_bits()(tiles / spread).reshape(n, rows, cols)
+        out += [q, scale]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _e4m3_bits():
+    """float32 -> e4m3 bits (uint8), rounded to nearest even, as ml_dtypes casts."""
+    import cupy
+
+    return cupy.ElementwiseKernel(
+        "float32 v", "uint8 q",
+        'unsigned short r; asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v)); '
+        "q = (unsigned char)(r & 0xff);", "cupymoe_bench_e4m3_bits")
 
 
 def expert_weights(model: Model, seed: int = 0):
