@@ -197,6 +197,17 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
       if (g * KG + j == k_tiles) break;
       const u32 sa = s_a + ((g % STAGES) * KG + j) * Loader::A_BYTES;
       const u32 sb = s_b + ((g % STAGES) * KG + j) * Loader::B_BYTES;
+      float a_scale[SCALED ? W::MI : 1][2];
+      if constexpr (SCALED) {  // this K-tile's scales, loaded before its MMAs so that they land meanwhile
+        const int kg = g * KG + j;
+#pragma unroll
+        for (int mi = 0; mi < W::MI; ++mi)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            a_scale[mi][half] = a_row[mi][half] < 0 ? 0.0f : scales.a[(long long)a_row[mi][half] * k_tiles + kg];
+        w_scale.block_scale(scales, tile.expert, w_rows, w_row, k_tiles, kg);
+        if constexpr (GATED) w_scale_up.block_scale(scales, tile.expert, w_rows, w_row + n_out, k_tiles, kg);
+      }
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) {
         u32 af[W::MI][4];
@@ -225,19 +236,8 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
         }
       }
       if constexpr (SCALED) {
-        const int kg = g * KG + j;
-        float a_scale[W::MI][2];
-#pragma unroll
-        for (int mi = 0; mi < W::MI; ++mi)
-#pragma unroll
-          for (int half = 0; half < 2; ++half)
-            a_scale[mi][half] = a_row[mi][half] < 0 ? 0.0f : scales.a[(long long)a_row[mi][half] * k_tiles + kg];
-        w_scale.block_scale(scales, tile.expert, w_rows, w_row, k_tiles, kg);
         promote(total, acc, a_scale, w_scale);
-        if constexpr (GATED) {
-          w_scale_up.block_scale(scales, tile.expert, w_rows, w_row + n_out, k_tiles, kg);
-          promote(total_up, acc_up, a_scale, w_scale_up);
-        }
+        if constexpr (GATED) promote(total_up, acc_up, a_scale, w_scale_up);
       }
     }
   }
