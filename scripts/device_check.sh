@@ -20,9 +20,9 @@ tests_rc=$?
 tail -n 20 "$out/pytest-gpu.log"
 
 echo "== examples"
-for example in quickstart torch_interop jax_interop family_block; do
+for example in quickstart.py torch_interop.py jax_interop.py family_block.py "family_block.py --fp8"; do
   echo "-- $example"
-  python3 "examples/$example.py" 2>&1 | tail -n 4
+  python3 examples/$example 2>&1 | tail -n 4
 done | tee "$out/examples.log"
 
 echo "== benchmark suite, from a wheel install, outside the checkout"
