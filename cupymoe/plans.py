@@ -160,12 +160,10 @@ PERSISTENT_64 = Plan(_persistent(64, True, 4, k_group=2), _persistent(64, False,
 PERSISTENT_96 = _persistent_plan(96, 4)
 PERSISTENT_160 = _persistent_plan(160, 4)
 PLANS = (BY_SLOT, TINY, SMALL, MEDIUM_32, MEDIUM, LARGE, PERSISTENT_64, PERSISTENT_96, PERSISTENT_160)
-# FP8 weights (w8a8 on mma.sync, sm_89+; on sm_90 ptxas widens e4m3 to f16 for HMMA): the mma.sync
-# plans up to MEDIUM_32 by the thresholds of GPUs without wgmma, TINY from the first slot (slot_gemm
-# has no FP8 variant); beyond, MEDIUM's tiles on 8 warps of 16 rows, since the K-tile sums beside
-# the totals double a warp's accumulators and 32-row warps spill.
-MEDIUM_FP8 = Plan(GemmConfig(64, 64, 4, 2, 4), GemmConfig(64, 128, 4, 2, 4))
-FP8_PLANS = (TINY, SMALL, MEDIUM_32, MEDIUM_FP8)
+# FP8 weights (w8a8 on mma.sync, sm_89+; on sm_90 ptxas widens e4m3 to f16 for HMMA): TINY from
+# the first slot (slot_gemm has no FP8 variant), SMALL up to SMALL_ROWS, then MEDIUM_32 for every
+# larger T: the fastest from T = 512 to 8192 on an H100 beside SMALL and 64-row tiles (docs/design.md).
+FP8_PLANS = (TINY, SMALL, MEDIUM_32)
 FP8_COMPUTE_CAPABILITY = 89
 SLOT_SLOTS = 128  # up to this many routed slots (where TINY's tiles fit), slot_gemm
 TINY_ROWS = 2  # beyond, a skewed routing's busy experts favour the wider tiles
@@ -270,9 +268,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
 def _fp8_plan(rows_per_expert: float) -> Plan:
     if rows_per_expert <= TINY_ROWS:
         return TINY
-    if rows_per_expert <= SMALL_ROWS:
-        return SMALL
-    return MEDIUM_32 if rows_per_expert <= MEDIUM_32_ROWS else MEDIUM_FP8
+    return SMALL if rows_per_expert <= SMALL_ROWS else MEDIUM_32
 
 
 def fitted(chosen: Plan, hidden: int, intermediate: int, shared_limit: int) -> Plan:
