@@ -6,7 +6,8 @@ A forward on one rank, for its own tokens:
 1. :func:`plan_exchange`: each routed slot goes to the rank that owns its expert
    (:class:`ExpertPartition`), slots grouped by rank in slot order; -1 ids go nowhere.
 2. The send counts go first (an all-to-all of one int per pair of ranks), then the x rows of the
-   slots and their routing weights, so each rank holds the rows of its own experts.
+   slots (and their routing weights, where they scale the input), so each rank holds the rows of
+   its own experts.
 3. The rank runs its experts on those rows through the single-GPU kernels, each row a token with
    k = 1 and weight 1 (or its routing weight, on the input, for ``apply_router_weight_on_input``):
    the rows come out bitwise as the single-GPU layer makes them, since every row's GEMM sums in
@@ -128,21 +129,26 @@ class ExpertParallelMoE:
         import cupy
 
         from . import _gpu_combine
-        from ._checks import as_array
+        from ._checks import ACTIVATION_DTYPES, as_array, check_array, check_routing
         from ._types import Shape
 
         x, ids, weights = (cupy.ascontiguousarray(as_array(a, n)) for a, n in
                            ((x, "x"), (topk_ids, "topk_ids"), (topk_weights, "topk_weights")))
-        tokens, top_k = ids.shape
+        check_array(x, "x", 2, (self.experts.dtype,) if self.experts.dtype else ACTIVATION_DTYPES)
+        if x.shape[1] != self.experts.hidden_size:
+            raise ValueError(f"x: expected {self.experts.hidden_size} columns, got shape {tuple(x.shape)}")
+        tokens = x.shape[0]
+        top_k = check_routing(ids, weights, tokens, self.partition.num_experts)
         plan = plan_exchange(ids, self.partition)
         recv_counts = self._all_to_all(plan.send_counts, cupy.ones(self.partition.ranks, np.int64), np.int32)
         send_counts, recv_counts = plan.send_counts.get(), recv_counts.get()  # the one synchronisation
         rows = x[plan.send_slots // top_k]
         received = self._all_to_all(rows, send_counts, x.dtype, recv_counts)
         local_ids = self._all_to_all(plan.local_ids, send_counts, np.int32, recv_counts)
-        slot_weights = weights.reshape(-1)[plan.send_slots]
-        received_weights = self._all_to_all(slot_weights, send_counts, np.float32, recv_counts)
-        scale = received_weights if self.on_input else cupy.ones_like(received_weights)
+        if self.on_input:  # the routing weights travel with the rows only where they scale the input
+            scale = self._all_to_all(weights.reshape(-1)[plan.send_slots], send_counts, np.float32, recv_counts)
+        else:
+            scale = cupy.ones(received.shape[0], np.float32)
         y = self.experts(received, local_ids[:, None], scale[:, None], check_ids=False)
         back = self._all_to_all(y, recv_counts, x.dtype, send_counts)
         out = cupy.empty_like(x)

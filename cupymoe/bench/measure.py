@@ -110,6 +110,7 @@ class SuiteWeights:
         self.fp8 = fp8_weights(*self.bf16) if kind == "fp8" else None
         self.tolerance = self.TOLERANCES[kind]
         self.weight_bytes = self.WEIGHT_BYTES[kind]
+        self._e4m3_values = None  # e4m3 bits -> value, a 256-entry float32 table on the GPU
 
     def expert(self, e: int):
         import cupy
@@ -117,7 +118,9 @@ class SuiteWeights:
         if self.fp8 is None:
             return tuple(w[e].astype(cupy.float32) for w in self.bf16)
         q13, s13, q2, s2 = self.fp8
-        values = cupy.asarray(np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32))  # e4m3 bits -> value
+        if self._e4m3_values is None:
+            self._e4m3_values = cupy.asarray(np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32))
+        values = self._e4m3_values
         return tuple(values[q[e]] * cupy.repeat(cupy.repeat(s[e], FP8_BLOCK, 0), FP8_BLOCK, 1)
                      for q, s in ((q13, s13), (q2, s2)))
 
