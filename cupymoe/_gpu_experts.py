@@ -87,7 +87,7 @@ def _compiled(cfg: plans.GemmConfig, gemm: Gemm, dtype, device_id: int, id_type:
     if name not in names:  # stages cut for a GPU with less shared memory: a module of its own
         names = (name,)
     kernel = _compile.kernel(cfg.source, name, names, device_id)
-    smem = cfg.shared_bytes(gated)
+    smem = cfg.shared_bytes(gated, gemm.fp8 != NOT_FP8)
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
     return kernel
@@ -110,20 +110,18 @@ def run(gemm: Gemm, dispatch, shape: Shape, chosen: plans.Plan) -> None:
     tile_map = dispatch.tiles_gate_up if gemm.gated else dispatch.tiles_down
     for cfg, plan_index in chosen.launches(gemm.gated):
         kernel = _compiled(cfg, gemm, shape.dtype, device_id)
+        smem = cfg.shared_bytes(gemm.gated, gemm.fp8 != NOT_FP8)
         grid = plans.max_m_tiles(slots, shape.experts, cfg.block_m) * (gemm.n_out // cfg.block_n)
         w = gemm.w
         if cfg.kernel == plans.PERSISTENT:
             grid = min(grid, _compile.multiprocessors(device_id))  # one block per SM claims tiles
             w = _tma.weight_rows_map(w, cfg.k_group)  # the weight tiles come by TMA
         elif plan_index >= 0:  # the dispatch may choose the other plan: a grid claiming the tiles
-            grid = min(grid, chosen.standby_blocks or
-                       _one_wave(kernel, cfg.threads, cfg.shared_bytes(gemm.gated), device_id))
+            grid = min(grid, chosen.standby_blocks or _one_wave(kernel, cfg.threads, smem, device_id))
         args = (gemm.a, dispatch.sorted_slots, np.int32(shape.top_k), w, dispatch.offsets, tile_map,
                 np.int32(plan_index), np.int32(shape.experts), np.int32(gemm.n_out), np.int32(gemm.k_dim),
-                gemm.c, gemm.epilogue_args)
-        if cfg.kernel == plans.MMA:  # expert_gemm's Fp8Scales
-            args += (gemm.scales,)
-        kernel((grid,), (cfg.threads,), args, shared_mem=cfg.shared_bytes(gemm.gated))
+                gemm.c, gemm.epilogue_args, gemm.scales)
+        kernel((grid,), (cfg.threads,), args, shared_mem=smem)
 
 
 def run_by_slot(gemms: tuple, ids, slot_positions, shape: Shape, chosen: plans.Plan) -> None:

@@ -71,31 +71,36 @@ class GemmConfig:
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n + (PRODUCER_THREADS if self.kernel == PERSISTENT else 0)
 
-    def shared_bytes(self, gated: bool) -> int:
-        """Dynamic shared memory of one block: its pipeline's stages; for PERSISTENT also its
-        mbarriers and epilogue staging, and the slack to align the stages to 1 KiB (the kernel's
-        WsLayout, held equal by tests/test_contract.py)."""
+    def shared_bytes(self, gated: bool, fp8: bool = False) -> int:
+        """Dynamic shared memory of one block: its pipeline's stages; for PERSISTENT also (``fp8``)
+        its stages of the slots' scales, its mbarriers and epilogue staging, and the slack to align
+        the stages to 1 KiB (the kernel's WsLayout, held equal by tests/test_contract.py)."""
         weight_rows = 2 * self.block_n if gated else self.block_n
         if self.kernel == PERSISTENT:
             weight_rows //= self.k_group
         stages = self.stages * self.k_group * (self.block_m + weight_rows) * K_TILE * 2
         if self.kernel != PERSISTENT:
             return stages
+        scales = self.stages * self.block_m * 4 if fp8 else 0  # a float32 per slot and stage
         barriers = 16 * self.stages  # a full and an empty mbarrier per stage
         staging = 2 * STAGED_SLOTS * (self.block_n + 16)  # the epilogue's: each consumer's half of the columns
-        return stages + 1024 + barriers + staging
+        return stages + scales + 1024 + barriers + staging
 
     def name_expression(self, dtype, gated: bool, id_type: str = "int", epilogue: Epilogue = PLAIN,
                         fp8: int = NOT_FP8) -> str:
         """The kernel's template instantiation; ``id_type`` (an ID_TYPES value) only for SLOT,
         ``fp8`` (e4m3 operands with weight scales of that layout index; ``dtype`` is then the
-        output's) only for MMA."""
+        output's) not for SLOT, and on PERSISTENT with stages of one K-tile and at most
+        FP8_PERSISTENT_SLOTS slots."""
         tag = _checks.CUDA_TYPES[dtype]
         tail = f"{'true' if gated else 'false'},{epilogue.activation},{epilogue.flags}"
-        if fp8 != NOT_FP8 and self.kernel != MMA:
-            raise ValueError(f"FP8 operands run on the mma.sync kernel (expert_gemm) only, not {self.kernel}")
+        if fp8 != NOT_FP8 and self.kernel == SLOT:
+            raise ValueError("FP8 operands run on expert_gemm and expert_gemm_ws, not on slot_gemm")
+        if fp8 != NOT_FP8 and self.kernel == PERSISTENT and (self.k_group != 1 or self.block_m > FP8_PERSISTENT_SLOTS):
+            raise ValueError(f"FP8 operands on expert_gemm_ws take stages of one K-tile and at most "
+                             f"{FP8_PERSISTENT_SLOTS} slots, not {self}")
         if self.kernel == PERSISTENT:
-            return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{self.k_group},{tail}>"
+            return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{self.k_group},{tail},{fp8}>"
         if self.kernel == SLOT:
             name, types = "slot_gemm", f"{tag},{id_type}"
         else:
@@ -160,10 +165,13 @@ PERSISTENT_64 = Plan(_persistent(64, True, 4, k_group=2), _persistent(64, False,
 PERSISTENT_96 = _persistent_plan(96, 4)
 PERSISTENT_160 = _persistent_plan(160, 4)
 PLANS = (BY_SLOT, TINY, SMALL, MEDIUM_32, MEDIUM, LARGE, PERSISTENT_64, PERSISTENT_96, PERSISTENT_160)
-# FP8 weights (w8a8 on mma.sync, sm_89+; on sm_90 ptxas widens e4m3 to f16 for HMMA): TINY from
-# the first slot (slot_gemm has no FP8 variant), SMALL up to SMALL_ROWS, then MEDIUM_32 for every
-# larger T: the fastest from T = 512 to 8192 on an H100 beside SMALL and 64-row tiles (docs/design.md).
-FP8_PLANS = (TINY, SMALL, MEDIUM_32)
+# FP8 weights (w8a8, sm_89+): TINY from the first slot (slot_gemm has no FP8 variant), SMALL up to
+# SMALL_ROWS, then on sm_90 the persistent kernel's e4m3 wgmma with 64-slot tiles (its totals beside
+# the sums leave no registers for more), elsewhere MEDIUM_32 (mma.sync e4m3; on sm_90 ptxas widens
+# that to f16 for HMMA): the fastest from T = 512 to 8192 on an H100 beside SMALL and 64-row tiles.
+FP8_PERSISTENT_SLOTS = 64
+PERSISTENT_FP8 = _persistent_plan(FP8_PERSISTENT_SLOTS, 5)
+FP8_PLANS = (TINY, SMALL, MEDIUM_32, PERSISTENT_FP8)
 FP8_COMPUTE_CAPABILITY = 89
 SLOT_SLOTS = 128  # up to this many routed slots (where TINY's tiles fit), slot_gemm
 TINY_ROWS = 2  # beyond, a skewed routing's busy experts favour the wider tiles
@@ -194,12 +202,12 @@ def _fit(cfg: GemmConfig, fallback: GemmConfig, n_out: int) -> GemmConfig:
     return replace(cfg, block_n=K_TILE)
 
 
-def _fit_shared(cfg: GemmConfig, gated: bool, limit: int) -> GemmConfig:
+def _fit_shared(cfg: GemmConfig, gated: bool, limit: int, fp8: bool = False) -> GemmConfig:
     """cfg with its pipeline cut (to 2 stages at the least) until it fits ``limit`` bytes with the
     kernel's static shared memory. The persistent kernel's consumers take alternate stages of two
     K-tiles, so those go in pairs."""
     step = 2 if cfg.kernel == PERSISTENT and cfg.k_group == 2 else 1
-    while cfg.shared_bytes(gated) + STATIC_SHARED_BYTES > limit and cfg.stages - step >= 2:
+    while cfg.shared_bytes(gated, fp8) + STATIC_SHARED_BYTES > limit and cfg.stages - step >= 2:
         cfg = replace(cfg, stages=cfg.stages - step)
     return cfg
 
@@ -234,16 +242,16 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     sm90 = compute_capability == WGMMA_COMPUTE_CAPABILITY
     chosen = _FORCED.get()
     if chosen is not None and fp8 and chosen not in FP8_PLANS:
-        raise ValueError("chosen: FP8 weights run the mma.sync plans only (plans.FP8_PLANS)")
+        raise ValueError("chosen: FP8 weights run their own plans only (plans.FP8_PLANS)")
     if chosen is not None:
         if not sm90 and PERSISTENT in (chosen.gate_up.kernel, chosen.down.kernel):
             raise ValueError(f"chosen: the persistent kernel needs compute capability 9.0, "
                              f"this GPU is {compute_capability / 10:.1f}")
-        return fitted(chosen, hidden, intermediate, shared_limit)
+        return fitted(chosen, hidden, intermediate, shared_limit, fp8)
     slots = tokens * top_k
     rows_per_expert = slots / max(1, min(experts, slots))
     if fp8:
-        return fitted(_fp8_plan(rows_per_expert), hidden, intermediate, shared_limit)
+        return fitted(_fp8_plan(rows_per_expert, sm90), hidden, intermediate, shared_limit, True)
     if rows_per_expert <= TINY_ROWS:
         chosen = BY_SLOT if slots <= SLOT_SLOTS else TINY
     elif rows_per_expert <= (SMALL_ROWS_SM90 if sm90 else SMALL_ROWS):
@@ -265,21 +273,29 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     return fitted(chosen, hidden, intermediate, shared_limit)
 
 
-def _fp8_plan(rows_per_expert: float) -> Plan:
+def _fp8_plan(rows_per_expert: float, sm90: bool) -> Plan:
+    if sm90:  # e4m3 wgmma sums differ in their last bits from mma.sync's: one kernel keeps T's bits apart
+        return PERSISTENT_FP8
     if rows_per_expert <= TINY_ROWS:
         return TINY
     return SMALL if rows_per_expert <= SMALL_ROWS else MEDIUM_32
 
 
-def fitted(chosen: Plan, hidden: int, intermediate: int, shared_limit: int) -> Plan:
+def _fallback(fp8: bool) -> Plan:
+    """The plan whose configs take over a persistent one whose tile does not divide H or I."""
+    return MEDIUM_32 if fp8 else LARGE
+
+
+def fitted(chosen: Plan, hidden: int, intermediate: int, shared_limit: int, fp8: bool = False) -> Plan:
     """``chosen`` (and its skewed plan) with tiles that divide H and I and pipelines that fit
-    ``shared_limit`` bytes. A skewed plan that fits to the same configs is dropped."""
-    own = Plan(_fit_shared(_fit(chosen.gate_up, LARGE.gate_up, intermediate), True, shared_limit),
-               _fit_shared(_fit(chosen.down, LARGE.down, hidden), False, shared_limit),
+    ``shared_limit`` bytes (with ``fp8`` operands). A skewed plan that fits to the same configs is dropped."""
+    fallback = _fallback(fp8)
+    own = Plan(_fit_shared(_fit(chosen.gate_up, fallback.gate_up, intermediate), True, shared_limit, fp8),
+               _fit_shared(_fit(chosen.down, fallback.down, hidden), False, shared_limit, fp8),
                standby_blocks=chosen.standby_blocks)
     if chosen.skewed is None:
         return own
-    skewed = fitted(chosen.skewed, hidden, intermediate, shared_limit)
+    skewed = fitted(chosen.skewed, hidden, intermediate, shared_limit, fp8)
     same = (skewed.gate_up, skewed.down) == (own.gate_up, own.down)
     return own if same else replace(own, skewed=skewed)
 
@@ -289,9 +305,10 @@ def name_expressions(source: str, dtype, gated: bool, epilogue: Epilogue = PLAIN
     """Every instantiation of one GEMM in ``source`` that the plans use on sm_80 and sm_90, for one
     dtype and epilogue, with bf16/fp16 operands or ``fp8`` ones (one module)."""
     names = []
+    fallback = _fallback(fp8 != NOT_FP8)
     for p in PLANS if fp8 == NOT_FP8 else FP8_PLANS:
         cfg = p.gate_up if gated else p.down
-        for variant in (cfg, _fit(cfg, LARGE.gate_up if gated else LARGE.down, K_TILE)):
+        for variant in (cfg, _fit(cfg, fallback.gate_up if gated else fallback.down, K_TILE)):
             if variant.source == source:
                 # one name, or slot_gemm's for each id type
                 names += [variant.name_expression(dtype, gated, i, epilogue, fp8) for i in ID_TYPES.values()]

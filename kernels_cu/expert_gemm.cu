@@ -33,14 +33,6 @@ struct WarpTiles {
   static_assert(MI >= 1 && NI >= 2 && NI % 2 == 0 && WTM % 16 == 0, "warp tile shape");
 };
 
-// The scales of an FP8 GEMM's operands, passed by value (cupymoe/_gpu_experts.py's FP8_SCALES); null for bf16/fp16.
-struct Fp8Scales {
-  const float* a;  // [rows of A, K / FP8_BLOCK]: x's by token (gate/up), h's by row (down)
-  const float* w;  // the weights': SCALE_BLOCK [E, W rows / FP8_BLOCK, K / FP8_BLOCK], SCALE_CHANNEL [E, W rows]
-};
-// A GEMM's FP8 template argument is NOT_FP8, or the layout of its weight scales, SCALE_BLOCK or
-// SCALE_CHANNEL (the host widens per-expert scales to channels).
-
 // The weight scales of this thread's columns: ``col`` those of its column 0 (weight rows w_row + ni * 8 + p),
 // fixed for SCALE_CHANNEL; for SCALE_BLOCK one per K group of the tile's 128-row block, set by block_scale.
 template <int NI, int FP8>

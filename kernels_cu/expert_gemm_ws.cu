@@ -17,6 +17,12 @@
 // No warp waits on a block-wide barrier, and the producer fills the next tile's stages while the
 // consumers run the epilogue. Each tile is computed by one block in a fixed K order, so which
 // block claims it does not change a bit of the result.
+// FP8 (w8a8, cupymoe/fp8.py; the FP8 argument, as expert_gemm's): A and the weights are e4m3 bytes
+// moved as 16-bit pairs, so a 128-byte K-tile row is one scale group of FP8_BLOCK values; the
+// producer also copies the group's scale of each slot into the stage. A consumer's MMAs (m64nNk32
+// e4m3) sum each K-tile afresh; once they retire it frees the stage and adds the sums to its totals
+// times (slot scale * weight scale), as expert_gemm does. KG = 1 only: the totals double the
+// accumulator registers, which is also why FP8 tiles hold at most 64 slots.
 #include "epilogue.cuh"
 #include "expert_tiles.cuh"
 #include "mbarrier.cuh"
@@ -40,8 +46,14 @@ constexpr int FIRST_CONSUMER_BARRIER = 2;  // consumer c's epilogue uses named b
 
 // One consumer's share of a tile: accumulators, MMAs and epilogue (epilogue.cuh's, for ACT and
 // EPILOGUE).
-template <class T, int SLOTS, int KG, bool GATED, int ACT = ACT_SILU, int EPILOGUE = 0>
+template <bool E4M3, class T> struct WgmmaOperand { using type = T; };
+template <class T> struct WgmmaOperand<true, T> { using type = e4m3; };
+
+template <class T, int SLOTS, int KG, bool GATED, int ACT = ACT_SILU, int EPILOGUE = 0, int FP8 = NOT_FP8>
 struct ConsumerTile {
+  static constexpr bool SCALED = FP8 != NOT_FP8;
+  using Operand = typename WgmmaOperand<SCALED, T>::type;
+  static_assert(!SCALED || (KG == 1 && SLOTS <= 64), "FP8: stages of one K-tile, totals beside the sums");
   static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns per tile
   static constexpr int COLUMNS = BN / CONSUMERS;                    // ... per consumer
   // Shared rows from a consumer's first m64 block to its second: gate/up pairs gate rows with the
@@ -51,6 +63,12 @@ struct ConsumerTile {
   static constexpr int STAGING_BYTES = STAGED_SLOTS * PITCH;
   static_assert(SLOTS % STAGED_SLOTS == 0 && SLOTS <= 5 * STAGED_SLOTS, "whole passes, at most five");
   float acc[2][SLOTS / 2];  // m64nSLOTS, twice: weight rows r and r + 8 of 8-slot block i at 4i + {0, 1} and 4i + {2, 3}
+  float total[SCALED ? 2 : 1][SCALED ? SLOTS / 2 : 1];  // FP8: the scaled sums of the K-tiles so far, as acc
+
+  // FP8: one K-tile's scales of this thread's weight rows (block, half).
+  struct WeightScales {
+    float w[2][2];
+  };
 
   // One stage's MMAs over its `k_tiles` K-tiles (KG or, at the end of an odd K, fewer). Only the
   // tile's first `passes` groups of STAGED_SLOTS slots hold rows: N covers just those.
@@ -66,6 +84,49 @@ struct ConsumerTile {
           mma_passes<1>(w0, w0 + BLOCK_ROWS * ROW_BYTES, s_a + j * SLOTS * ROW_BYTES, accumulate || j > 0, passes);
         }
       }
+    }
+  }
+
+  __device__ __forceinline__ void clear_totals() {
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int v = 0; v < SLOTS / 2; ++v) total[b][v] = 0.0f;
+  }
+
+  // FP8: K-tile kt's weight scales, from ``scales.w`` (of the tile's expert, SCALE_BLOCK or SCALE_CHANNEL).
+  __device__ __forceinline__ WeightScales weight_scales(const Fp8Scales& scales, const Tile& tile, int consumer,
+                                                        int n_out, int k_tiles, int kt) const {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    WeightScales s;
+    const int w_rows = GATED ? 2 * n_out : n_out;
+    const int first = tile.n0 + consumer * COLUMNS + 16 * warp + (lane >> 2);  // weight row of block 0's row 0
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = first + (GATED ? b * n_out : BLOCK_ROWS * b) + 8 * half;
+        s.w[b][half] = FP8 == SCALE_BLOCK
+                           ? scales.w[((long long)tile.expert * (w_rows / FP8_BLOCK) + row / FP8_BLOCK) * k_tiles + kt]
+                           : scales.w[(long long)tile.expert * w_rows + row];
+      }
+    return s;
+  }
+
+  // FP8: total += acc * (slot scale * weight scale) for one retired K-tile, the slots' scales
+  // 8i + 2 (lane % 4) + {0, 1} from its stage's ``slot_scales``.
+  __device__ __forceinline__ void promote(const float* slot_scales, const WeightScales& s) {
+#pragma unroll
+    for (int i = 0; i < SLOTS / 8; ++i) {
+      const float2 slot = *reinterpret_cast<const float2*>(slot_scales + 8 * i + 2 * (threadIdx.x & 3));
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int v = 4 * i + 2 * half;
+          total[b][v] = fmaf(acc[b][v], slot.x * s.w[b][half], total[b][v]);
+          total[b][v + 1] = fmaf(acc[b][v + 1], slot.y * s.w[b][half], total[b][v + 1]);
+        }
     }
   }
 
@@ -135,25 +196,31 @@ struct ConsumerTile {
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
       const u64 slots = wgmma_desc(s_a + kk * 32);
-      Wgmma<T, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[0]), wgmma_desc(w0 + kk * 32), slots, accumulate || kk > 0);
-      Wgmma<T, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[1]), wgmma_desc(w1 + kk * 32), slots, accumulate || kk > 0);
+      Wgmma<Operand, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[0]), wgmma_desc(w0 + kk * 32), slots,
+                             accumulate || kk > 0);
+      Wgmma<Operand, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[1]), wgmma_desc(w1 + kk * 32), slots,
+                             accumulate || kk > 0);
     }
   }
 
+  // Entry v of block b's sums: the accumulators, or FP8's totals.
+  __device__ __forceinline__ float sum(int b, int v) const {
+    if constexpr (SCALED) return total[b][v]; else return acc[b][v];
+  }
   // The bias of row r + 8 half from a pair of store()'s.
   static __device__ __forceinline__ float bias_of(u32 pair, int half) {
     return Float16Traits<T>::to_float(u16(half ? pair >> 16 : pair & 0xffffu));
   }
   // Slots 8i + 2 (lane % 4) + {0, 1} of weight row r + 8 half of an accumulator, with its bias, packed.
   __device__ __forceinline__ u32 pair(int block, int i, int half, const u32 (&bias)[2]) const {
-    float v0 = acc[block][4 * i + 2 * half], v1 = acc[block][4 * i + 2 * half + 1];
+    float v0 = sum(block, 4 * i + 2 * half), v1 = sum(block, 4 * i + 2 * half + 1);
     if constexpr (EPILOGUE & EPILOGUE_BIAS) v0 += bias_of(bias[block], half), v1 += bias_of(bias[block], half);
     return Float16Traits<T>::pack(v0, v1);
   }
   // The same slots of gate/up row r + 8 half through the activation, their weights on the input.
   __device__ __forceinline__ u32 activated(int i, int half, float2 weights, const u32 (&bias)[2]) const {
     const int v = 4 * i + 2 * half;
-    float g0 = acc[0][v], g1 = acc[0][v + 1], u0 = acc[1][v], u1 = acc[1][v + 1];
+    float g0 = sum(0, v), g1 = sum(0, v + 1), u0 = sum(1, v), u1 = sum(1, v + 1);
     if constexpr (EPILOGUE & EPILOGUE_INPUT_WEIGHT) g0 *= weights.x, u0 *= weights.x, g1 *= weights.y, u1 *= weights.y;
     if constexpr (EPILOGUE & EPILOGUE_BIAS) {
       const float gate = bias_of(bias[0], half), up = bias_of(bias[1], half);
@@ -175,28 +242,33 @@ struct ConsumerTile {
 };
 
 // The kernel's dynamic shared memory, from its 1024-byte-aligned start: STAGES stages of the
-// slots' rows (A), then of the weight rows (B), then the full and the empty mbarrier of each
-// stage, then each consumer's epilogue staging. cupymoe/plans.py's GemmConfig.shared_bytes is
-// the same sum, with the alignment's slack (tests/test_contract.py holds them equal).
-template <int SLOTS, int STAGES, int KG, bool GATED>
+// slots' rows (A), then of the weight rows (B), then (SCALED: FP8) of the slots' scales, then the
+// full and the empty mbarrier of each stage, then each consumer's epilogue staging.
+// cupymoe/plans.py's GemmConfig.shared_bytes is the same sum, with the alignment's slack
+// (tests/test_contract.py holds them equal).
+template <int SLOTS, int STAGES, int KG, bool GATED, bool SCALED = false>
 struct WsLayout {
   static constexpr int STAGE_ROWS = WEIGHT_ROWS / KG;  // weight rows per stage
   static constexpr int A_BYTES = KG * SLOTS * ROW_BYTES, B_BYTES = KG * STAGE_ROWS * ROW_BYTES;  // one stage
+  static constexpr int SCALE_BYTES = SCALED ? SLOTS * 4 : 0;                                     // ... FP8
   static constexpr int BARRIER_BYTES = 2 * STAGES * MBARRIER_BYTES;
   static constexpr int STAGING_BYTES = CONSUMERS * ConsumerTile<bf16, SLOTS, KG, GATED>::STAGING_BYTES;
-  static constexpr int BYTES = SWIZZLE_ALIGN + STAGES * (A_BYTES + B_BYTES) + BARRIER_BYTES + STAGING_BYTES;
+  static constexpr int BYTES =
+      SWIZZLE_ALIGN + STAGES * (A_BYTES + B_BYTES + SCALE_BYTES) + BARRIER_BYTES + STAGING_BYTES;
 };
 
-// Warpgroup 0: claims tiles, and for each fills the stages: the slots' rows by cp.async, the
-// weight rows by TMA; at the end, a stage with rows -1 for each consumer that takes stages.
-template <class T, int SLOTS, int STAGES, int KG, bool GATED>
+// Warpgroup 0: claims tiles, and for each fills the stages: the slots' rows (and FP8's scales,
+// ``a_scales``) by cp.async, the weight rows by TMA; at the end, a stage with rows -1 for each
+// consumer that takes stages.
+template <class T, int SLOTS, int STAGES, int KG, bool GATED, bool SCALED>
 __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                                         const TensorMap& w_map, const int* __restrict__ offsets,
                                         int* __restrict__ tile_offsets, int num_experts, int n_out, int k_dim,
-                                        int k_tiles, int k_steps, u32 s_a, u32 s_b, u32 full, u32 empty,
-                                        Tile* stage_tile, int* claimed) {
+                                        int k_tiles, int k_steps, u32 s_a, u32 s_b, u32 s_scale,
+                                        const float* __restrict__ a_scales, u32 full, u32 empty, Tile* stage_tile,
+                                        int* claimed) {
   using Consumer = ConsumerTile<T, SLOTS, KG, GATED>;
-  using Layout = WsLayout<SLOTS, STAGES, KG, GATED>;
+  using Layout = WsLayout<SLOTS, STAGES, KG, GATED, SCALED>;
   using Gather = RowGather<SLOTS, WARPGROUP_THREADS, GATED>;
   constexpr int BN = Consumer::BN;
   constexpr int BOX_ROWS = KG == 1 ? TMA_BOX_ROWS : BLOCK_ROWS;  // weight rows per TMA box (as cupymoe/_tma.py encodes)
@@ -226,6 +298,7 @@ __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __
       mbarrier_wait(empty + MBARRIER_BYTES * stage, phase ^ 1);
       for (int j = 0; j < kts; ++j)
         gather.load(s_a + stage * Layout::A_BYTES + j * SLOTS * ROW_BYTES, a, k_dim, kt0 + j);
+      if constexpr (SCALED) gather.load_scales(s_scale + stage * Layout::SCALE_BYTES, a_scales, k_tiles, kt0);
       mbarrier_arrive_after_cp_async(full + MBARRIER_BYTES * stage);
       if (threadIdx.x == 0) {
         if (ts < KG) stage_tile[stage] = tile;  // each consumer's first stage of the tile
@@ -268,14 +341,17 @@ __device__ __forceinline__ Tile read_by_leader(const Tile& shared, bool warp_lea
 }
 
 // Warpgroups 1 and 2: for each tile the stages bring, its MMAs stage by stage, each stage freed
-// once its MMAs retire, then the epilogue; until a stage says there are no more tiles.
-template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE>
+// once its MMAs retire (FP8: then its sums promoted), then the epilogue; until a stage says there
+// are no more tiles. ``slot_scales``: FP8's stages of the slots' scales.
+template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8>
 __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, u16* __restrict__ c, int n_out,
-                                        u32 s_a, u32 s_b, u32 full, u32 empty, const Tile* stage_tile,
-                                        unsigned char* staging, const EpilogueArgs& epilogue,
-                                        const int* __restrict__ sorted_slots) {
-  using Consumer = ConsumerTile<T, SLOTS, KG, GATED, ACT, EPILOGUE>;
-  using Layout = WsLayout<SLOTS, STAGES, KG, GATED>;
+                                        u32 s_a, u32 s_b, const float* slot_scales, u32 full, u32 empty,
+                                        const Tile* stage_tile, unsigned char* staging, const EpilogueArgs& epilogue,
+                                        const Fp8Scales& scales, const int* __restrict__ sorted_slots) {
+  using Consumer = ConsumerTile<T, SLOTS, KG, GATED, ACT, EPILOGUE, FP8>;
+  using Layout = WsLayout<SLOTS, STAGES, KG, GATED, Consumer::SCALED>;
+  // KG = 1 keeps one stage's MMAs in flight, freeing the stage before; KG = 2 and FP8 free their own.
+  constexpr bool RETIRE_OWN = KG == 2 || Consumer::SCALED;
   int stage = 0;
   u32 phase = 0;  // parity of the stage's current round
   const auto advance = [&] {
@@ -290,39 +366,48 @@ __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, 
     if (tile.rows < 0) break;
     const int passes = (tile.rows + STAGED_SLOTS - 1) / STAGED_SLOTS;  // of the MMA's N and the epilogue
     int previous = -1;
+    if constexpr (Consumer::SCALED) tile_acc.clear_totals();
     for (int step = 0; step < k_steps; ++step) {
       if (step > 0) mbarrier_wait(full + MBARRIER_BYTES * stage, phase);
       fence_proxy_async();  // the producer's cp.async writes, seen by wgmma's async proxy
       wgmma_fence();
-      tile_acc.mma(s_a + stage * Layout::A_BYTES, s_b + stage * Layout::B_BYTES, consumer, step > 0, passes,
-                   min(KG, k_tiles - step * KG));
+      tile_acc.mma(s_a + stage * Layout::A_BYTES, s_b + stage * Layout::B_BYTES, consumer,
+                   step > 0 && !Consumer::SCALED, passes, min(KG, k_tiles - step * KG));
       wgmma_commit();
-      // The previous stage's MMAs have retired (KG = 2: this stage's), so it can be refilled.
-      if constexpr (KG == 1) wgmma_wait<1>(); else wgmma_wait<0>();
-      const int retired = KG == 1 ? previous : stage;
+      typename Consumer::WeightScales w_scales;
+      if constexpr (Consumer::SCALED)  // loaded while the MMAs run
+        w_scales = tile_acc.weight_scales(scales, tile, consumer, n_out, k_tiles, step);
+      // The previous stage's MMAs have retired (RETIRE_OWN: this stage's), so it can be refilled.
+      if constexpr (RETIRE_OWN) wgmma_wait<0>(); else wgmma_wait<1>();
+      if constexpr (Consumer::SCALED) {
+        tile_acc.promote(slot_scales + stage * SLOTS, w_scales);
+        __syncwarp();  // every lane's read of the stage's scales, before its leader frees it
+      }
+      const int retired = RETIRE_OWN ? stage : previous;
       if (retired >= 0 && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * retired);
       previous = stage;
       for (int s = 0; s < KG; ++s) advance();  // KG = 2: past the other consumer's stage
     }
     wgmma_wait<0>();
-    if (KG == 1 && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * previous);
+    if (!RETIRE_OWN && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * previous);
     tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES, epilogue, sorted_slots);
   }
 }
 
-template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE>
+template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8>
 __global__ void __launch_bounds__(PRODUCER_THREADS + CONSUMERS * WARPGROUP_THREADS, 1)
 expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                const __grid_constant__ TensorMap w_map, const int* __restrict__ offsets,
                int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
-               u16* __restrict__ c, EpilogueArgs epilogue) {
+               u16* __restrict__ c, EpilogueArgs epilogue, Fp8Scales scales) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   if (!plan_chosen(tile_offsets, num_experts, plan)) return;
   static_assert(KG == 1 || KG == 2, "a stage holds all weight rows of one K-tile or a consumer's of two");
   // With an odd ring a stage would pass between the consumers, and one could wait on a phase parity
   // the stage had reached a round earlier.
   static_assert(KG == 1 || STAGES % 2 == 0, "KG = 2: each consumer keeps its own stages");
-  using Layout = WsLayout<SLOTS, STAGES, KG, GATED>;
+  constexpr bool SCALED = FP8 != NOT_FP8;
+  using Layout = WsLayout<SLOTS, STAGES, KG, GATED, SCALED>;
   constexpr int STAGE_TAKERS = KG == 1 ? CONSUMERS : 1;  // consumers that read each stage
 
   extern __shared__ unsigned char smem[];
@@ -330,7 +415,8 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   __shared__ int claimed[2];           // the producer's last two claims, for its threads
   const u32 s_a = (smem_addr(smem) + SWIZZLE_ALIGN - 1) & ~u32(SWIZZLE_ALIGN - 1);
   const u32 s_b = s_a + STAGES * Layout::A_BYTES;
-  const u32 full = s_b + STAGES * Layout::B_BYTES;  // STAGES mbarriers, then STAGES "empty"
+  const u32 s_scale = s_b + STAGES * Layout::B_BYTES;       // FP8's slot scales
+  const u32 full = s_scale + STAGES * Layout::SCALE_BYTES;  // STAGES mbarriers, then STAGES "empty"
   const u32 empty = full + MBARRIER_BYTES * STAGES;
   unsigned char* staging = smem + (empty + MBARRIER_BYTES * STAGES - smem_addr(smem));  // the epilogue's, per consumer
   if (threadIdx.x == 0) {
@@ -345,13 +431,16 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   const int k_steps = (k_tiles + KG - 1) / KG;  // a consumer's stages per tile
   if (threadIdx.x < PRODUCER_THREADS) {
     warpgroup_registers_dec<PRODUCER_REGISTERS>();
-    produce<T, SLOTS, STAGES, KG, GATED>(a, sorted_slots, top_k, w_map, offsets, tile_offsets, num_experts, n_out,
-                                         k_dim, k_tiles, k_steps, s_a, s_b, full, empty, stage_tile, claimed);
+    produce<T, SLOTS, STAGES, KG, GATED, SCALED>(a, sorted_slots, top_k, w_map, offsets, tile_offsets, num_experts,
+                                                 n_out, k_dim, k_tiles, k_steps, s_a, s_b, s_scale, scales.a, full,
+                                                 empty, stage_tile, claimed);
     return;
   }
   warpgroup_registers_inc<CONSUMER_REGISTERS>();
-  consume<T, SLOTS, STAGES, KG, GATED, ACT, EPILOGUE>((threadIdx.x >> 7) - 1, k_tiles, k_steps, c, n_out, s_a, s_b,
-                                                      full, empty, stage_tile, staging, epilogue, sorted_slots);
+  const float* slot_scales = reinterpret_cast<const float*>(smem + (s_scale - smem_addr(smem)));
+  consume<T, SLOTS, STAGES, KG, GATED, ACT, EPILOGUE, FP8>((threadIdx.x >> 7) - 1, k_tiles, k_steps, c, n_out, s_a,
+                                                           s_b, slot_scales, full, empty, stage_tile, staging,
+                                                           epilogue, scales, sorted_slots);
 #else
   __trap();  // compiled for a GPU without wgmma: the host never launches this
 #endif

@@ -16,6 +16,14 @@
 
 constexpr int GROUP_M = 8;
 
+// The scales of an FP8 GEMM's operands, passed by value (cupymoe/_gpu_experts.py's FP8_SCALES); null for bf16/fp16.
+struct Fp8Scales {
+  const float* a;  // [rows of A, K / FP8_BLOCK]: x's by token (gate/up), h's by row (down)
+  const float* w;  // the weights': SCALE_BLOCK [E, W rows / FP8_BLOCK, K / FP8_BLOCK], SCALE_CHANNEL [E, W rows]
+};
+// A GEMM's FP8 template argument is NOT_FP8, or the layout of its weight scales, SCALE_BLOCK or
+// SCALE_CHANNEL (the host widens per-expert scales to channels).
+
 struct Tile {
   int expert;
   int slot_base;  // first sorted slot of the tile
@@ -93,6 +101,15 @@ struct RowGather {
     for (int i = 0; i < A_ITERS; ++i)
       cp_async_16(s_a + swizzled_offset(r0 + i * ROW_STEP, chunk),
                   a + (long long)max(a_row[i], 0) * k_dim + k0, a_row[i] >= 0);
+  }
+  // FP8: the scales of K-tile kt of these rows (``scales`` [rows of a, k_tiles]) into BM floats at
+  // s_scale, by the threads of chunk 0; 0 past the expert.
+  __device__ __forceinline__ void load_scales(u32 s_scale, const float* scales, int k_tiles, int kt) const {
+    if (threadIdx.x & 7) return;
+    const int r0 = threadIdx.x >> 3;
+#pragma unroll
+    for (int i = 0; i < A_ITERS; ++i)
+      cp_async_4(s_scale + 4 * (r0 + i * ROW_STEP), scales + (long long)max(a_row[i], 0) * k_tiles + kt, a_row[i] >= 0);
   }
 };
 

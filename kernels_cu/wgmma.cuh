@@ -70,26 +70,33 @@ __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 m0, u32 m1, u32 
 #define CUPYMOE_DESCS_160 "%80, %81"
 #define CUPYMOE_ACC_160 "%82"
 
+// The operand tag of FP8 (float8 e4m3) wgmma.
+struct e4m3 {};
+
 template <class T, int N> struct Wgmma;
 
-// d[N / 2] = A[64x16] * B[16xN]^T (+ d when accumulate), A and B K-major in 128B-swizzled shared
-// memory. PTX wants the operand type and N inside the instruction string, hence one macro for all.
-#define CUPYMOE_WGMMA(TYPE, PTX_TYPE, N) \
+// d[N / 2] = A[64xK] * B[KxN]^T (+ d when accumulate), A and B K-major in 128B-swizzled shared
+// memory, K = 32 bytes: k16 of 16-bit values (whose K-major layout is the "not transposed" flag
+// pair 0, 0), k32 of e4m3 (which takes no such flags). PTX wants the shape and operand type inside
+// the instruction string, hence one macro for all.
+#define CUPYMOE_WGMMA(TYPE, SHAPE_TYPES, FLAGS, N) \
   template <> struct Wgmma<TYPE, N> { \
     static __device__ __forceinline__ void mma(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool accumulate) { \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " CUPYMOE_ACC_##N ", 0;\n" \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE \
-                   " {" CUPYMOE_REGS_##N "}, " CUPYMOE_DESCS_##N ", p, 1, 1, 0, 0;\n}\n" \
+                   "wgmma.mma_async.sync.aligned.m64n" #N SHAPE_TYPES \
+                   " {" CUPYMOE_REGS_##N "}, " CUPYMOE_DESCS_##N ", p, 1, 1" FLAGS ";\n}\n" \
                    : CUPYMOE_OPS_##N \
                    : "l"(desc_a), "l"(desc_b), "r"(int(accumulate))); \
     } \
   };
-#define CUPYMOE_WGMMA_TYPE(TYPE, PTX_TYPE) \
-  CUPYMOE_WGMMA(TYPE, PTX_TYPE, 32) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 64) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 96) \
-  CUPYMOE_WGMMA(TYPE, PTX_TYPE, 128) CUPYMOE_WGMMA(TYPE, PTX_TYPE, 160)
+#define CUPYMOE_WGMMA_TYPE(TYPE, SHAPE_TYPES, FLAGS) \
+  CUPYMOE_WGMMA(TYPE, SHAPE_TYPES, FLAGS, 32) CUPYMOE_WGMMA(TYPE, SHAPE_TYPES, FLAGS, 64) \
+  CUPYMOE_WGMMA(TYPE, SHAPE_TYPES, FLAGS, 96) CUPYMOE_WGMMA(TYPE, SHAPE_TYPES, FLAGS, 128) \
+  CUPYMOE_WGMMA(TYPE, SHAPE_TYPES, FLAGS, 160)
 
-CUPYMOE_WGMMA_TYPE(bf16, "bf16")
-CUPYMOE_WGMMA_TYPE(f16, "f16")
+CUPYMOE_WGMMA_TYPE(bf16, "k16.f32.bf16.bf16", ", 0, 0")
+CUPYMOE_WGMMA_TYPE(f16, "k16.f32.f16.f16", ", 0, 0")
+CUPYMOE_WGMMA_TYPE(e4m3, "k32.f32.e4m3.e4m3", "")
 #undef CUPYMOE_R0
 #undef CUPYMOE_R1
 #undef CUPYMOE_R2

@@ -27,6 +27,10 @@ FP8_ORACLE_TOL = 6e-2
 # in another order, which now and then moves an h value to the neighbouring bf16 value and its e4m3
 # rounding with it (2^-4 of that element).
 FP8_REFERENCE_TOL = 1e-2
+# The FP8 GPU path against the independent w8a8 oracle (float64), on a few tokens: the same moves,
+# and Hopper's e4m3 wgmma keeps fewer bits than float32 while it sums a K-tile (about 14, DeepSeek-V3
+# report 3.3.2), so more h values cross to the other bf16 neighbour (measured up to 1.2e-2, H100).
+FP8_GPU_ORACLE_TOL = 2e-2
 # fp8.matmul against float64 on the same quantized operands: only the float32 sums differ.
 FP8_MATMUL_RTOL = 1e-5
 # Router weights against a float64 softmax: float32 exp and a sum over up to 256 terms.

@@ -43,19 +43,30 @@ ARCHS = ["sm_90a", "sm_80", "sm_100"]
 # Those instantiations are compiled for the GPUs that run them (sm_120: RTX 50-series, 99 KiB too).
 SMALL_SHARED_MEMORY_ARCHS = ["sm_86", "sm_89", "sm_120"]
 # FP8 (sm_89 and up): the quantization, and the mma.sync GEMM for each kernel layout of the weight
-# scales, both dtypes, the plain and the fullest epilogue.
+# scales, both dtypes, the plain and the fullest epilogue; the persistent e4m3 GEMM likewise, on sm_90a.
 FP8_ARCHS = ["sm_89", "sm_90a", "sm_100", "sm_120"]
 FP8_LAYOUTS = [SCALE_LAYOUTS.index("block"), SCALE_LAYOUTS.index("channel")]
 MMA_SOURCE = plans.SOURCES[plans.MMA]
+PERSISTENT_SOURCE = plans.SOURCES[plans.PERSISTENT]
+
+
 FP8_MODULES = [(_gpu_quantize.SOURCE, _gpu_quantize.NAMES)] + [
     (MMA_SOURCE, plans.name_expressions(MMA_SOURCE, dtype, gated, plans.PLAIN, layout))
     for layout in FP8_LAYOUTS for dtype in (_checks.BFLOAT16, _checks.FLOAT16) for gated in (True, False)
 ] + [(MMA_SOURCE, plans.name_expressions(MMA_SOURCE, _checks.BFLOAT16, True, EPILOGUES[-2][1], layout))
      for layout in FP8_LAYOUTS]
+# The persistent kernel's: bf16 for each layout, fp16's gate/up, and the fullest epilogue of each GEMM.
+FP8_PERSISTENT_MODULES = [
+    (PERSISTENT_SOURCE, plans.name_expressions(PERSISTENT_SOURCE, dtype, gated, epilogue, layout))
+    for layout, dtype, gated, epilogue in
+    [(layout, _checks.BFLOAT16, gated, plans.PLAIN) for layout in FP8_LAYOUTS for gated in (True, False)]
+    + [(FP8_LAYOUTS[0], _checks.FLOAT16, True, plans.PLAIN)]
+    + [(FP8_LAYOUTS[0], _checks.BFLOAT16, gated, epilogue) for gated, epilogue in EPILOGUES[-2:]]]
 TARGETS = [(source, names, arch) for source, names in MODULES for arch in ARCHS] + [
     (plans.SOURCES[plans.MMA], _small_shared_memory_names(dtype), arch)
     for dtype in (_checks.BFLOAT16, _checks.FLOAT16) for arch in SMALL_SHARED_MEMORY_ARCHS] + [
     (source, names, arch) for source, names in FP8_MODULES for arch in FP8_ARCHS] + [
+    (source, names, "sm_90a") for source, names in FP8_PERSISTENT_MODULES] + [
     (MMA_SOURCE, names, "sm_89") for names in [_small_shared_memory_names(_checks.BFLOAT16, layout)
                                                 for layout in FP8_LAYOUTS] if names]
 

@@ -39,24 +39,26 @@ def compile_asserts(source_name: str, asserts: list) -> None:
 
 
 def persistent_configs():
-    """Every persistent config the plans use on sm_90, with the pipelines cut for less shared memory too."""
+    """Every persistent config the plans use on sm_90 (with fp8 operands or not), with the pipelines
+    cut for less shared memory too."""
     seen = []
-    for p in plans.PLANS:
-        for cfg, gated in ((p.gate_up, True), (p.down, False)):
+    for fp8, chosen in [(False, p) for p in plans.PLANS] + [(True, p) for p in plans.FP8_PLANS]:
+        for cfg, gated in ((chosen.gate_up, True), (chosen.down, False)):
             if cfg.kernel != plans.PERSISTENT:
                 continue
             step = 2 if cfg.k_group == 2 else 1
             for stages in range(cfg.stages, 1, -step):
-                seen.append((dataclasses.replace(cfg, stages=stages), gated))
+                seen.append((dataclasses.replace(cfg, stages=stages), gated, fp8))
     return list(dict.fromkeys(seen))
 
 
 def test_persistent_shared_memory_is_the_kernels_layout():
     asserts = [
-        f"static_assert(WsLayout<{cfg.block_m}, {cfg.stages}, {cfg.k_group}, {str(gated).lower()}>::BYTES == "
-        f"{cfg.shared_bytes(gated)}, \"shared_bytes of {cfg} (gated={gated})\");"
-        for cfg, gated in persistent_configs()]
-    assert len(asserts) >= 6
+        f"static_assert(WsLayout<{cfg.block_m}, {cfg.stages}, {cfg.k_group}, {str(gated).lower()}, "
+        f"{str(fp8).lower()}>::BYTES == {cfg.shared_bytes(gated, fp8)}, "
+        f"\"shared_bytes of {cfg} (gated={gated}, fp8={fp8})\");"
+        for cfg, gated, fp8 in persistent_configs()]
+    assert len(asserts) >= 10
     compile_asserts(plans.SOURCES[plans.PERSISTENT], asserts)
 
 

@@ -145,20 +145,38 @@ def test_skewed_plans_fit_and_are_precompiled(cc, hidden, inter, p):
 
 
 @pytest.mark.parametrize("cc", [89, 90, 100])
-def test_fp8_weights_take_the_mma_plans_and_their_compiled_names(cc):
+def test_fp8_weights_take_their_plans_and_compiled_names(cc):
+    """FP8: mma.sync plans, and on sm_90 the persistent e4m3 plan from SMALL_ROWS on; each config
+    fits with the slots' scales in its stages and is one of name_expressions(fp8=)."""
     seen = set()
-    for tokens in (1, 3, 16, 64, 256, 512, 1024, 8192):
-        p = plans.plan(tokens, 8, 256, 7168, 2048, cc, 227 * 1024, fp8=True)
-        assert p.skewed is None and p.gate_up.kernel == p.down.kernel == plans.MMA
-        for cfg, gated in ((p.gate_up, True), (p.down, False)):
+    for tokens, (hidden, inter) in itertools.product((1, 3, 16, 64, 256, 512, 1024, 8192),
+                                                    ((7168, 2048), (4096, 1024), (384, 640))):
+        p = plans.plan(tokens, 8, 256, hidden, inter, cc, 227 * 1024, fp8=True)
+        assert p.skewed is None
+        persistent = cc == plans.WGMMA_COMPUTE_CAPABILITY and tokens * 8 / 256 > plans.SMALL_ROWS
+        for cfg, gated, n_out in ((p.gate_up, True, inter), (p.down, False, hidden)):
+            divides = n_out % plans.PERSISTENT_FP8.gate_up.block_n == 0 if gated else n_out % 256 == 0
+            assert (cfg.kernel == plans.PERSISTENT) == (persistent and divides)
+            assert n_out % cfg.block_n == 0
+            assert cfg.shared_bytes(gated, fp8=True) + plans.STATIC_SHARED_BYTES <= 227 * 1024
             name = cfg.name_expression(_checks.BFLOAT16, gated, fp8=0)
             assert name.endswith(",0>") and name in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated, fp8=0)
-        seen.add(p)
-    assert seen == set(plans.FP8_PLANS)
-    with plans.forced(plans.PERSISTENT_96), pytest.raises(ValueError, match="FP8 weights run the mma.sync plans"):
+        if (hidden, inter) == (7168, 2048):
+            seen.add(p)
+    expected = {plans.TINY, plans.SMALL, plans.PERSISTENT_FP8 if cc == 90 else plans.MEDIUM_32}
+    assert seen == expected
+    with plans.forced(plans.PERSISTENT_96), pytest.raises(ValueError, match="FP8 weights run their own plans"):
         plans.plan(64, 8, 256, 7168, 2048, cc, 227 * 1024, fp8=True)
-    with pytest.raises(ValueError, match="FP8 operands run on the mma.sync kernel"):
+    with pytest.raises(ValueError, match="not on slot_gemm"):
         plans.BY_SLOT.gate_up.name_expression(_checks.BFLOAT16, True, fp8=0)
+    with pytest.raises(ValueError, match="at most 64 slots"):
+        plans.PERSISTENT_96.gate_up.name_expression(_checks.BFLOAT16, True, fp8=0)
+
+
+def test_fp8_scales_widen_only_the_persistent_stages():
+    cfg = plans.PERSISTENT_FP8.down
+    assert cfg.shared_bytes(False, fp8=True) == cfg.shared_bytes(False) + cfg.stages * cfg.block_m * 4
+    assert plans.MEDIUM_32.down.shared_bytes(False, fp8=True) == plans.MEDIUM_32.down.shared_bytes(False)
 
 
 def test_forced_plan_is_used_and_restored():
