@@ -165,10 +165,11 @@ PERSISTENT_64 = Plan(_persistent(64, True, 4, k_group=2), _persistent(64, False,
 PERSISTENT_96 = _persistent_plan(96, 4)
 PERSISTENT_160 = _persistent_plan(160, 4)
 PLANS = (BY_SLOT, TINY, SMALL, MEDIUM_32, MEDIUM, LARGE, PERSISTENT_64, PERSISTENT_96, PERSISTENT_160)
-# FP8 weights (w8a8, sm_89+): TINY from the first slot (slot_gemm has no FP8 variant), SMALL up to
-# SMALL_ROWS, then on sm_90 the persistent kernel's e4m3 wgmma with 64-slot tiles (its totals beside
-# the sums leave no registers for more), elsewhere MEDIUM_32 (mma.sync e4m3; on sm_90 ptxas widens
-# that to f16 for HMMA): the fastest from T = 512 to 8192 on an H100 beside SMALL and 64-row tiles.
+# FP8 weights (w8a8, sm_89+): on sm_90 the persistent kernel's e4m3 wgmma with 64-slot tiles (its
+# totals beside the sums leave no registers for more) at every T, since mma.sync e4m3 (which ptxas
+# widens to f16 HMMA there) sums to other last bits. Elsewhere TINY from the first slot (slot_gemm
+# has no FP8 variant), SMALL up to SMALL_ROWS, then MEDIUM_32: the fastest from T = 512 to 8192 on
+# an H100 beside SMALL and 64-row tiles.
 FP8_PERSISTENT_SLOTS = 64
 PERSISTENT_FP8 = _persistent_plan(FP8_PERSISTENT_SLOTS, 5)
 FP8_PLANS = (TINY, SMALL, MEDIUM_32, PERSISTENT_FP8)
@@ -274,7 +275,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
 
 
 def _fp8_plan(rows_per_expert: float, sm90: bool) -> Plan:
-    if sm90:  # e4m3 wgmma sums differ in their last bits from mma.sync's: one kernel keeps T's bits apart
+    if sm90:  # e4m3 wgmma sums differ in their last bits from mma.sync's: one kernel at every T, one set of bits
         return PERSISTENT_FP8
     if rows_per_expert <= TINY_ROWS:
         return TINY
