@@ -119,10 +119,19 @@ def on_gpu_grid(x):
     return x.copy() if x.data.ptr % GPU_ALIGNMENT else x
 
 
-def check_weights(w13, w2, w13_scale=None, w2_scale=None) -> tuple:
-    """Validate the expert weights (and the scales of FP8 ones); return (E, I, H, dtype, scales):
-    dtype the weights' (None for FP8 weights), scales a WeightScales for FP8 weights, else None."""
+def check_weights(w13, w2, w13_scale=None, w2_scale=None, fp8_compute=None) -> tuple:
+    """Validate the expert weights (and the scales and ``fp8_compute`` of FP8 ones); return (E, I,
+    H, dtype, scales): dtype the weights' (None for FP8 weights), scales a WeightScales for FP8
+    weights, else None."""
     fp8_weights = w13.dtype in fp8.FP8_DTYPES or w2.dtype in fp8.FP8_DTYPES
+    if fp8_compute is not None:
+        if not isinstance(fp8_compute, str):
+            raise TypeError(f"fp8_compute: expected one of {fp8.COMPUTE_MODES} or None, got "
+                            f"{type(fp8_compute).__name__}")
+        if fp8_compute not in fp8.COMPUTE_MODES:
+            raise ValueError(f"fp8_compute: expected one of {fp8.COMPUTE_MODES} or None, got {fp8_compute!r}")
+        if not fp8_weights:
+            raise ValueError(f"fp8_compute: applies to FP8 weights only, got w13 of dtype {_dtype_name(w13.dtype)}")
     if fp8_weights or w13_scale is not None or w2_scale is not None:
         dtypes = fp8.FP8_DTYPES
         for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
@@ -159,7 +168,7 @@ def check_weights(w13, w2, w13_scale=None, w2_scale=None) -> tuple:
         return experts, inter, hidden, w13.dtype, None
     _check_scale(w13_scale, "w13_scale", w13)
     _check_scale(w2_scale, "w2_scale", w2)
-    return experts, inter, hidden, None, WeightScales(w13_scale, w2_scale)
+    return experts, inter, hidden, None, WeightScales(w13_scale, w2_scale, fp8_compute == "w8a16")
 
 
 def _check_scale(scale, name: str, weight) -> None:

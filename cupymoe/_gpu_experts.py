@@ -4,7 +4,8 @@ gate/up: h[p] = act(x[t] @ w13[e, :I].T, x[t] @ w13[e, I:].T) for each sorted sl
 down:    y[p] = h[p] @ w2[e].T; each with the epilogue of the forward's ExpertOptions (biases, the
 routing weight on the input; kernels_cu/epilogue.cuh). With the BY_SLOT plan both run in slot
 order without a dispatch. FP8 GEMMs take e4m3 x (or h) and weights, as 16-bit pairs, with their
-scales (cupymoe/fp8.py; _gpu_quantize quantizes x and h).
+scales (cupymoe/fp8.py; _gpu_quantize quantizes x and h); weight-only ones 16-bit x (or h) and e4m3
+weights with theirs.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class Gemm:
     epilogue_args: np.void  # EPILOGUE_ARGS
     scales: np.void = NO_SCALES  # FP8_SCALES
     fp8: int = NOT_FP8  # FP8 operands: the layout index of the weight scales (block or channel)
+    weight_only: bool = False  # FP8 weights beside 16-bit A (w8a16)
 
 
 def _epilogue_args(bias, slot_weights) -> np.void:
@@ -49,14 +51,15 @@ def _epilogue_args(bias, slot_weights) -> np.void:
 
 
 def _fp8(scales) -> tuple:
-    """(FP8_SCALES, template argument) of a GEMM: NOT_FP8 for None, else FP8 operands whose
-    ``scales`` are (A's [rows, K / 128], the weights' in block or channel layout)."""
+    """(FP8_SCALES, template argument, weight-only) of a GEMM: NOT_FP8 for None, else FP8 operands
+    whose ``scales`` are (A's [rows, K / 128], or None for 16-bit A; the weights' in block or
+    channel layout)."""
     if scales is None:
-        return NO_SCALES, NOT_FP8
+        return NO_SCALES, NOT_FP8, False
     a_scale, w_scale = scales
     out = np.zeros(1, FP8_SCALES)
-    out[0] = (a_scale.data.ptr, w_scale.data.ptr)
-    return out[0], fp8.layout_of(w_scale.ndim).index
+    out[0] = (0 if a_scale is None else a_scale.data.ptr, w_scale.data.ptr)
+    return out[0], fp8.layout_of(w_scale.ndim).index, a_scale is None
 
 
 def _pairs(a):
@@ -65,15 +68,16 @@ def _pairs(a):
 
 
 def gate_up_gemm(x, w13, h, shape: Shape, options: ExpertOptions, topk_weights, scales=None) -> Gemm:
-    """``topk_weights`` [T, k] contiguous: read by slot when the weights go on the input. FP8: x
-    and w13 e4m3 (uint8) with ``scales`` (x's, w13's; see _fp8); K then counts byte pairs."""
+    """``topk_weights`` [T, k] contiguous: read by slot when the weights go on the input. FP8: w13
+    e4m3 (uint8) with ``scales`` (x's, w13's; see _fp8), x e4m3 too (K then counts byte pairs)
+    unless weight-only."""
     args = _epilogue_args(options.w13_bias, topk_weights if options.weight_on_input else None)
     return Gemm(True, _pairs(x), _pairs(w13), h, shape.intermediate, _pairs(x).shape[1],
                 plans.Epilogue.of(options, True), args, *_fp8(scales))
 
 
 def down_gemm(h, w2, y, shape: Shape, options: ExpertOptions, scales=None) -> Gemm:
-    """FP8: h and w2 e4m3 (uint8) with ``scales`` (h's, w2's)."""
+    """FP8: w2 e4m3 (uint8) with ``scales`` (h's, w2's), h e4m3 too unless weight-only."""
     args = _epilogue_args(options.w2_bias, None)
     return Gemm(False, _pairs(h), _pairs(w2), y, shape.hidden, _pairs(h).shape[1], plans.Epilogue.of(options, False),
                 args, *_fp8(scales))
@@ -82,12 +86,12 @@ def down_gemm(h, w2, y, shape: Shape, options: ExpertOptions, scales=None) -> Ge
 def _compiled(cfg: plans.GemmConfig, gemm: Gemm, dtype, device_id: int, id_type: str = "int"):
     """The kernel of ``cfg`` for ``gemm``'s epilogue, allowed its shared memory."""
     gated = gemm.gated
-    name = cfg.name_expression(dtype, gated, id_type, gemm.epilogue, gemm.fp8)
-    names = plans.name_expressions(cfg.source, dtype, gated, gemm.epilogue, gemm.fp8)
+    name = cfg.name_expression(dtype, gated, id_type, gemm.epilogue, gemm.fp8, gemm.weight_only)
+    names = plans.name_expressions(cfg.source, dtype, gated, gemm.epilogue, gemm.fp8, gemm.weight_only)
     if name not in names:  # stages cut for a GPU with less shared memory: a module of its own
         names = (name,)
     kernel = _compile.kernel(cfg.source, name, names, device_id)
-    smem = cfg.shared_bytes(gated, gemm.fp8 != NOT_FP8)
+    smem = cfg.shared_bytes(gated, gemm.fp8 != NOT_FP8, gemm.weight_only)
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
     return kernel
@@ -110,7 +114,7 @@ def run(gemm: Gemm, dispatch, shape: Shape, chosen: plans.Plan) -> None:
     tile_map = dispatch.tiles_gate_up if gemm.gated else dispatch.tiles_down
     for cfg, plan_index in chosen.launches(gemm.gated):
         kernel = _compiled(cfg, gemm, shape.dtype, device_id)
-        smem = cfg.shared_bytes(gemm.gated, gemm.fp8 != NOT_FP8)
+        smem = cfg.shared_bytes(gemm.gated, gemm.fp8 != NOT_FP8, gemm.weight_only)
         grid = plans.max_m_tiles(slots, shape.experts, cfg.block_m) * (gemm.n_out // cfg.block_n)
         w = gemm.w
         if cfg.kernel == plans.PERSISTENT:

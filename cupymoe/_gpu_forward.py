@@ -1,6 +1,6 @@
 """The GPU forward: dispatch -> gate/up GEMM (SwiGLU) -> down GEMM -> combine, on the current stream;
-for a few slots, the GEMMs by slot without the dispatch. With FP8 weights x and h are quantized
-(_gpu_quantize) before the GEMMs that read them."""
+for a few slots, the GEMMs by slot without the dispatch. With FP8 weights (w8a8) x and h are
+quantized (_gpu_quantize) before the GEMMs that read them; weight-only FP8 GEMMs read them as they are."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,12 +12,16 @@ from ._types import ExpertOptions, Shape, WeightScales
 class Workspace:
     """Everything one forward of a given Shape writes besides ``out``; reusable across calls."""
 
-    def __init__(self, shape: Shape, device_id: int, fp8_weights: bool = False):
+    def __init__(self, shape: Shape, device_id: int, scales: WeightScales | None = None):
+        """``scales``: those of FP8 weights, whose numerics (w8a8 or weight-only) the plan and
+        the buffers follow."""
         import cupy
 
+        fp8_weights = scales is not None
+        weight_only = fp8_weights and scales.weight_only
         self.plan = plans.plan(shape.tokens, shape.top_k, shape.experts, shape.hidden,
                                shape.intermediate, _compile.compute_capability(device_id),
-                               _compile.shared_memory_limit(device_id), fp8_weights)
+                               _compile.shared_memory_limit(device_id), fp8_weights, weight_only)
         slots = shape.tokens * shape.top_k
         try:
             if self.plan.by_slot:  # h and y in slot order; the down GEMM writes the positions
@@ -29,9 +33,9 @@ class Workspace:
             # The SwiGLU output and the down projection, in expert order (by slot: slot order).
             self.h = cupy.empty((slots, shape.intermediate), shape.dtype)
             self.y = cupy.empty((slots, shape.hidden), shape.dtype)
-            # FP8: x and h quantized (e4m3 bits) with their scales, the GEMMs' inputs
+            # w8a8: x and h quantized (e4m3 bits) with their scales, the GEMMs' inputs
             self.quantized = None
-            if fp8_weights:
+            if fp8_weights and not weight_only:
                 self.quantized = tuple(
                     (cupy.empty((rows, cols), np.uint8), cupy.empty((rows, fp8.blocks(cols)), np.float32))
                     for rows, cols in ((shape.tokens, shape.hidden), (slots, shape.intermediate)))
@@ -45,7 +49,7 @@ class Workspace:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of GPU memory held: h and y, and FP8's quantized x and h (the dispatch's buffers add
+        """Bytes of GPU memory held: h and y, and w8a8's quantized x and h (the dispatch's buffers add
         a few bytes per slot)."""
         quantized = sum(a.nbytes for pair in self.quantized or () for a in pair)
         return self.h.nbytes + self.y.nbytes + quantized
@@ -96,14 +100,21 @@ def kernel_scales(scales: WeightScales, shape_sizes: tuple) -> WeightScales:
     def widened(scale, rows):
         return cupy.ascontiguousarray(cupy.broadcast_to(scale[:, None], (experts, rows))) if scale.ndim == 1 else scale
 
-    return WeightScales(widened(scales.w13, 2 * inter), widened(scales.w2, hidden))
+    return WeightScales(widened(scales.w13, 2 * inter), widened(scales.w2, hidden), scales.weight_only)
 
 
 def _fp8_forward(x, ids, weights, a, shape: Shape, ws: Workspace, options: ExpertOptions,
                  scales: WeightScales) -> None:
-    """Dispatch, x quantized, gate/up, h quantized (its valid rows), down: the FP8 GEMMs into ws.y."""
-    (x_q, x_scale), (h_q, h_scale) = ws.quantized
+    """Dispatch, x quantized, gate/up, h quantized (its valid rows), down: the FP8 GEMMs into ws.y;
+    weight-only, dispatch, gate/up and down."""
     _gpu_dispatch.launch(ids, ws.dispatch)
+    if scales.weight_only:
+        gate_up = _gpu_experts.gate_up_gemm(x, a["w13"], ws.h, shape, options, weights, (None, scales.w13))
+        _gpu_experts.run(gate_up, ws.dispatch, shape, ws.plan)
+        down = _gpu_experts.down_gemm(ws.h, a["w2"], ws.y, shape, options, (None, scales.w2))
+        _gpu_experts.run(down, ws.dispatch, shape, ws.plan)
+        return
+    (x_q, x_scale), (h_q, h_scale) = ws.quantized
     _gpu_quantize.run(x, x_q, x_scale)
     gate_up = _gpu_experts.gate_up_gemm(x_q, a["w13"], ws.h, shape, options, weights, (x_scale, scales.w13))
     _gpu_experts.run(gate_up, ws.dispatch, shape, ws.plan)

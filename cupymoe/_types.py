@@ -69,3 +69,4 @@ class WeightScales:
 
     w13: object  # [E, ceil(2I/128), ceil(H/128)], [E, 2I] or [E]
     w2: object  # [E, ceil(H/128), ceil(I/128)], [E, H] or [E]
+    weight_only: bool = False  # w8a16: the GEMMs' inputs stay 16-bit (else w8a8: quantized too)

@@ -58,7 +58,7 @@ class MoEBlock:
         "float32": logits in float32 from the operands' exact values (DeepSeek-V3, GLM-4.5);
         "model": the float32 result rounded to the weights' dtype, as a bf16 linear layer gives
         (Mixtral, Qwen, gpt-oss, Llama-4).
-    activation, w13_bias, w2_bias, apply_router_weight_on_input, w13_scale, w2_scale
+    activation, w13_bias, w2_bias, apply_router_weight_on_input, w13_scale, w2_scale, fp8_compute
         The expert options and FP8 scales, as for :func:`cupymoe.fused_experts`.
     shared_w13, shared_w2 : arrays [2*S, H] and [H, S], optional
         The shared expert: gate rows [0, S), up rows [S, 2S), and its down projection.
@@ -77,10 +77,10 @@ class MoEBlock:
                  topk_groups=1, correction_bias=None, scaling_factor=1.0, router_bias=None,
                  router_logits_dtype="model", activation="silu", w13_bias=None, w2_bias=None,
                  apply_router_weight_on_input=False, shared_w13=None, shared_w2=None, shared_gate=None,
-                 w13_scale=None, w2_scale=None):
+                 w13_scale=None, w2_scale=None, fp8_compute=None):
         self.experts = MoE(w13, w2, activation=activation, w13_bias=w13_bias, w2_bias=w2_bias,
                            apply_router_weight_on_input=apply_router_weight_on_input, w13_scale=w13_scale,
-                           w2_scale=w2_scale)
+                           w2_scale=w2_scale, fp8_compute=fp8_compute)
         xp, dtype = self.experts._xp, self.experts.dtype
         num_experts, hidden = self.experts.num_experts, self.experts.hidden_size
         self._xp = xp

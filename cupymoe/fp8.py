@@ -11,14 +11,19 @@ channel    [E, R]                               each output row
 expert     [E]                                  the whole matrix
 ========== ==================================== ==============================================
 
-The GEMM quantizes its input too (w8a8, as DeepGEMM and vLLM's block-FP8 path do): per row and
+By default (``fp8_compute="w8a8"``) the GEMM quantizes its input too (as DeepGEMM and vLLM's block-FP8 path do): per row and
 per group of 128 input columns, ``s_a = max(amax, 1e-10) / 448`` and ``q_a = e4m3(a / s_a)``
 (round to nearest even; ``|a / s_a| <= 448`` so nothing saturates). Then, for each group g of
 128 columns, the products q_a * q_w are exact in float32 and summed in float32; the group's sum
 times ``s_a[g] * s_w[g]`` is added to a float32 accumulator, ``s_w[g]`` the weight scale of the
 output row in that group (the row's block's, its channel's or the expert's). The gate/up GEMM
 quantizes x; the down GEMM quantizes h, rounded to the activation dtype first as in the
-bf16 path (vLLM's order). A NaN or infinity in a group of a row makes that row's outputs NaN."""
+bf16 path (vLLM's order). A NaN or infinity in a group of a row makes that row's outputs NaN.
+
+Weight-only (``fp8_compute="w8a16"``, as vLLM's FP8 Marlin path) keeps the input in its 16-bit
+dtype: for each group g of 128 input columns the products a * q_w are summed in float32 and that
+sum times ``s_w[g]`` is added to a float32 accumulator; h is rounded to the activation dtype as in
+the bf16 path. The GPU reads e4m3's NaN code in a weight as 480 (checkpoints hold none)."""
 from __future__ import annotations
 
 import enum
@@ -29,6 +34,7 @@ import numpy as np
 from ._contract import E4M3_MAX, FP8_AMAX_FLOOR, FP8_BLOCK, SCALE_LAYOUTS
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+COMPUTE_MODES = ("w8a8", "w8a16")  # fp8_compute: the input quantized too, or weight-only
 FP8_DTYPES = (E4M3, np.dtype(np.uint8))  # uint8: e4m3 bits (CuPy has no float8 dtype)
 
 
@@ -128,12 +134,16 @@ def dequantize_weights(q, scale) -> np.ndarray:
     return q.astype(np.float32) * expand_scale(np.asarray(scale, np.float32), q.shape[1], q.shape[2])
 
 
-def matmul(a: np.ndarray, q: np.ndarray, scale) -> np.ndarray:
+def matmul(a: np.ndarray, q: np.ndarray, scale, weight_only: bool = False) -> np.ndarray:
     """float32 [n, R]: ``a`` [n, C] (float32) times one expert's FP8 matrix ``q`` [R, C] (e4m3) with
     its ``scale`` (that expert's slice: [ceil(R/128), ceil(C/128)], [R] or a scalar), transposed,
-    in the w8a8 numerics of the module docstring."""
-    qa, sa = quantize_activations(a)
-    qa, qw = qa.astype(np.float32), q.astype(np.float32)
+    in the w8a8 numerics of the module docstring, or in its weight-only ones."""
+    if weight_only:
+        qa, sa = np.asarray(a, np.float32), np.ones((a.shape[0], blocks(a.shape[1])), np.float32)
+    else:
+        qa, sa = quantize_activations(a)
+        qa = qa.astype(np.float32)
+    qw = q.astype(np.float32)
     scale = np.asarray(scale, np.float32)
     rows, cols = q.shape
     acc = np.zeros((a.shape[0], rows), np.float32)

@@ -32,7 +32,8 @@ def _prepare(xp, a, w13, w2, sizes, dtype, out):
 
 
 def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=True, activation="silu",
-                  w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, w13_scale=None, w2_scale=None):
+                  w13_bias=None, w2_bias=None, apply_router_weight_on_input=False, w13_scale=None, w2_scale=None,
+                  fp8_compute=None):
     """Run the MoE expert layer: route each token through its k experts and combine.
 
     ``out[t] = sum_j topk_weights[t, j] * (w2[e] @ act(w13[e, :I] @ x[t], w13[e, I:] @ x[t]))``
@@ -77,8 +78,12 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
         ceil(H/128)]`` and ``[E, ceil(H/128), ceil(I/128)]``), per output channel (``[E, 2I]``,
         ``[E, H]``) or per expert (``[E]``), told apart by their shapes. Activations are then
         quantized per token and 128 channels (w8a8; see :mod:`cupymoe.fp8`). On the GPU (uint8
-        weights: CuPy has no float8 dtype; compute capability 8.9 or newer) H and I must be
-        multiples of 128.
+        weights: CuPy has no float8 dtype) H and I must be multiples of 128.
+    fp8_compute : {"w8a8", "w8a16"}, with FP8 weights only
+        "w8a8" (None, the default): the activations are quantized too and the GEMMs run on FP8
+        tensor cores (compute capability 8.9 or newer). "w8a16": weight-only, the activations stay
+        16-bit and the weights are widened exactly for 16-bit MMAs (any supported GPU; the
+        numerics of :mod:`cupymoe.fp8`).
 
     Returns
     -------
@@ -98,7 +103,8 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
     """
     xp, a = _coerce(x=x, w13=w13, w2=w2, topk_ids=topk_ids, topk_weights=topk_weights,
                     **_given(w13_scale=w13_scale, w2_scale=w2_scale))
-    *sizes, weights_dtype, scales = _checks.check_weights(a["w13"], a["w2"], a.get("w13_scale"), a.get("w2_scale"))
+    *sizes, weights_dtype, scales = _checks.check_weights(a["w13"], a["w2"], a.get("w13_scale"), a.get("w2_scale"),
+                                                          fp8_compute)
     options = _checks.check_options(activation, w13_bias, w2_bias, apply_router_weight_on_input, a["w13"],
                                     weights_dtype)
     shape = _prepare(xp, a, a["w13"], a["w2"], sizes, _checks.activation_dtype(weights_dtype, options), out)
@@ -109,20 +115,20 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
 
     with a["x"].device:
         scales = None if scales is None else _gpu_forward.kernel_scales(scales, sizes)
-        workspace = _gpu_forward.Workspace(shape, a["x"].device.id, scales is not None)
+        workspace = _gpu_forward.Workspace(shape, a["x"].device.id, scales)
         return _gpu_forward.forward(a, shape, workspace, out, check_ids, options, scales=scales)
 
 
 def _require_fp8_kernels(scales, sizes: tuple, device_id: int) -> None:
-    """FP8 weights on the GPU: FP8 tensor cores, and H and I in whole 128-column scale groups."""
+    """FP8 weights on the GPU: FP8 tensor cores for w8a8, and H and I in whole 128-column scale groups."""
     if scales is None:
         return
     from . import _compile, plans
 
     cc = _compile.compute_capability(device_id)
-    if cc < plans.FP8_COMPUTE_CAPABILITY:
-        raise NotImplementedError(f"FP8 weights on the GPU need FP8 tensor cores (compute capability 8.9 or newer); "
-                                  f"GPU {device_id} is {cc / 10:.1f}: dequantize them (cupymoe.fp8.dequantize_weights)")
+    if cc < plans.FP8_COMPUTE_CAPABILITY and not scales.weight_only:
+        raise ValueError(f"fp8_compute: w8a8 needs FP8 tensor cores (compute capability 8.9 or newer); GPU "
+                         f"{device_id} is {cc / 10:.1f}: pass fp8_compute=\"w8a16\" (weight-only)")
     _, inter, hidden = sizes
     if hidden % FP8_BLOCK or inter % FP8_BLOCK:
         raise ValueError(f"w13: FP8 weights on the GPU need H and I multiples of {FP8_BLOCK} (a K-tile is one scale "
@@ -154,7 +160,7 @@ class MoE:
     ----------
     w13 : array [E, 2*I, H], bfloat16, float16 or FP8, C-contiguous
     w2 : array [E, H, I], dtype of ``w13`` (FP8: either FP8 dtype), C-contiguous
-    activation, w13_bias, w2_bias, apply_router_weight_on_input, w13_scale, w2_scale
+    activation, w13_bias, w2_bias, apply_router_weight_on_input, w13_scale, w2_scale, fp8_compute
         As for :func:`fused_experts`, held by the layer.
 
     Attributes
@@ -162,7 +168,7 @@ class MoE:
     dtype : the dtype of x and out: the weights', or for FP8 weights their biases' (None without
         biases: either bfloat16 or float16).
     scales : WeightScales or None
-        The FP8 weights' scales.
+        The FP8 weights' scales (``scales.weight_only``: w8a16).
 
     Notes
     -----
@@ -174,10 +180,10 @@ class MoE:
     """
 
     def __init__(self, w13, w2, *, activation="silu", w13_bias=None, w2_bias=None,
-                 apply_router_weight_on_input=False, w13_scale=None, w2_scale=None):
+                 apply_router_weight_on_input=False, w13_scale=None, w2_scale=None, fp8_compute=None):
         xp, a = _coerce(w13=w13, w2=w2, **_given(w13_scale=w13_scale, w2_scale=w2_scale))
         self.num_experts, self.intermediate_size, self.hidden_size, weights_dtype, self.scales = (
-            _checks.check_weights(a["w13"], a["w2"], a.get("w13_scale"), a.get("w2_scale"))
+            _checks.check_weights(a["w13"], a["w2"], a.get("w13_scale"), a.get("w2_scale"), fp8_compute)
         )
         self._xp = xp
         self.w13 = a["w13"]
@@ -228,7 +234,7 @@ class MoE:
         with self.w13.device:
             workspace, owned = self._workspaces.use(
                 (shape.tokens, shape.top_k),
-                lambda: (_gpu_forward.Workspace(shape, self.w13.device.id, self.scales is not None),
+                lambda: (_gpu_forward.Workspace(shape, self.w13.device.id, self.scales),
                          xp.empty((shape.tokens, shape.hidden), shape.dtype)),
                 captured=xp.cuda.get_current_stream().is_capturing())
             return _gpu_forward.forward(a, shape, workspace, owned if out is None else out, check_ids,

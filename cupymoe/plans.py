@@ -71,14 +71,16 @@ class GemmConfig:
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n + (PRODUCER_THREADS if self.kernel == PERSISTENT else 0)
 
-    def shared_bytes(self, gated: bool, fp8: bool = False) -> int:
-        """Dynamic shared memory of one block: its pipeline's stages; for PERSISTENT also (``fp8``)
-        its stages of the slots' scales, its mbarriers and epilogue staging, and the slack to align
-        the stages to 1 KiB (the kernel's WsLayout, held equal by tests/test_contract.py)."""
+    def shared_bytes(self, gated: bool, fp8: bool = False, weight_only: bool = False) -> int:
+        """Dynamic shared memory of one block: its pipeline's stages (``weight_only``: e4m3 weights
+        beside 16-bit A, two K-tiles of A a weight K-tile); for PERSISTENT also (``fp8``) its stages
+        of the slots' scales, its mbarriers and epilogue staging, and the slack to align the stages
+        to 1 KiB (the kernel's WsLayout, held equal by tests/test_contract.py)."""
         weight_rows = 2 * self.block_n if gated else self.block_n
         if self.kernel == PERSISTENT:
             weight_rows //= self.k_group
-        stages = self.stages * self.k_group * (self.block_m + weight_rows) * K_TILE * 2
+        a_rows = 2 * self.block_m if weight_only else self.block_m
+        stages = self.stages * self.k_group * (a_rows + weight_rows) * K_TILE * 2
         if self.kernel != PERSISTENT:
             return stages
         scales = self.stages * self.block_m * 4 if fp8 else 0  # a float32 per slot and stage
@@ -87,15 +89,17 @@ class GemmConfig:
         return stages + scales + 1024 + barriers + staging
 
     def name_expression(self, dtype, gated: bool, id_type: str = "int", epilogue: Epilogue = PLAIN,
-                        fp8: int = NOT_FP8) -> str:
+                        fp8: int = NOT_FP8, weight_only: bool = False) -> str:
         """The kernel's template instantiation; ``id_type`` (an ID_TYPES value) only for SLOT,
-        ``fp8`` (e4m3 operands with weight scales of that layout index; ``dtype`` is then the
-        output's) not for SLOT, and on PERSISTENT with stages of one K-tile and at most
-        FP8_PERSISTENT_SLOTS slots."""
+        ``fp8`` (e4m3 weights with scales of that layout index, and e4m3 A unless ``weight_only``;
+        ``dtype`` is the output's) not for SLOT, and on PERSISTENT with stages of one K-tile, at
+        most FP8_PERSISTENT_SLOTS slots and not weight-only."""
         tag = _checks.CUDA_TYPES[dtype]
         tail = f"{'true' if gated else 'false'},{epilogue.activation},{epilogue.flags}"
         if fp8 != NOT_FP8 and self.kernel == SLOT:
             raise ValueError("FP8 operands run on expert_gemm and expert_gemm_ws, not on slot_gemm")
+        if weight_only and (fp8 == NOT_FP8 or self.kernel != MMA):
+            raise ValueError(f"weight-only FP8 runs on expert_gemm with FP8 weights, not {self} (fp8={fp8})")
         if fp8 != NOT_FP8 and self.kernel == PERSISTENT and (self.k_group != 1 or self.block_m > FP8_PERSISTENT_SLOTS):
             raise ValueError(f"FP8 operands on expert_gemm_ws take stages of one K-tile and at most "
                              f"{FP8_PERSISTENT_SLOTS} slots, not {self}")
@@ -104,7 +108,7 @@ class GemmConfig:
         if self.kernel == SLOT:
             name, types = "slot_gemm", f"{tag},{id_type}"
         else:
-            name, types, tail = "expert_gemm", tag, f"{tail},{fp8}"
+            name, types, tail = "expert_gemm", tag, f"{tail},{fp8},{'true' if weight_only else 'false'}"
         return (f"{name}<{types},{self.block_m},{self.block_n},{self.warps_m},{self.warps_n},"
                 f"{self.stages},{self.k_group},{tail}>")
 
@@ -174,6 +178,9 @@ FP8_PERSISTENT_SLOTS = 64
 PERSISTENT_FP8 = _persistent_plan(FP8_PERSISTENT_SLOTS, 5)
 FP8_PLANS = (TINY, SMALL, MEDIUM_32, PERSISTENT_FP8)
 FP8_COMPUTE_CAPABILITY = 89
+# Weight-only FP8 (w8a16; e4m3 weights widened in registers, 16-bit MMAs), on every GPU: the mma.sync
+# FP8 plans by the same rows per expert.
+WEIGHT_ONLY_PLANS = (TINY, SMALL, MEDIUM_32)
 SLOT_SLOTS = 128  # up to this many routed slots (where TINY's tiles fit), slot_gemm
 TINY_ROWS = 2  # beyond, a skewed routing's busy experts favour the wider tiles
 SMALL_ROWS = 12
@@ -203,12 +210,12 @@ def _fit(cfg: GemmConfig, fallback: GemmConfig, n_out: int) -> GemmConfig:
     return replace(cfg, block_n=K_TILE)
 
 
-def _fit_shared(cfg: GemmConfig, gated: bool, limit: int, fp8: bool = False) -> GemmConfig:
+def _fit_shared(cfg: GemmConfig, gated: bool, limit: int, fp8: bool = False, weight_only: bool = False) -> GemmConfig:
     """cfg with its pipeline cut (to 2 stages at the least) until it fits ``limit`` bytes with the
     kernel's static shared memory. The persistent kernel's consumers take alternate stages of two
     K-tiles, so those go in pairs."""
     step = 2 if cfg.kernel == PERSISTENT and cfg.k_group == 2 else 1
-    while cfg.shared_bytes(gated, fp8) + STATIC_SHARED_BYTES > limit and cfg.stages - step >= 2:
+    while cfg.shared_bytes(gated, fp8, weight_only) + STATIC_SHARED_BYTES > limit and cfg.stages - step >= 2:
         cfg = replace(cfg, stages=cfg.stages - step)
     return cfg
 
@@ -236,23 +243,27 @@ def forced(chosen: Plan):
 
 
 def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
-         compute_capability: int, shared_limit: int, fp8: bool = False) -> Plan:
+         compute_capability: int, shared_limit: int, fp8: bool = False, weight_only: bool = False) -> Plan:
     """The GEMM configurations for T tokens routed to k of E experts at sizes H and I, on a GPU
     of the given compute capability with ``shared_limit`` bytes of shared memory per block, for
-    bf16/fp16 or ``fp8`` weights; the plan of :func:`forced` inside its block."""
+    bf16/fp16 or ``fp8`` weights (``weight_only``: beside 16-bit activations); the plan of
+    :func:`forced` inside its block."""
     sm90 = compute_capability == WGMMA_COMPUTE_CAPABILITY
     chosen = _FORCED.get()
+    if chosen is not None and weight_only and chosen not in WEIGHT_ONLY_PLANS:
+        raise ValueError("chosen: weight-only FP8 runs its own plans only (plans.WEIGHT_ONLY_PLANS)")
     if chosen is not None and fp8 and chosen not in FP8_PLANS:
         raise ValueError("chosen: FP8 weights run their own plans only (plans.FP8_PLANS)")
     if chosen is not None:
         if not sm90 and PERSISTENT in (chosen.gate_up.kernel, chosen.down.kernel):
             raise ValueError(f"chosen: the persistent kernel needs compute capability 9.0, "
                              f"this GPU is {compute_capability / 10:.1f}")
-        return fitted(chosen, hidden, intermediate, shared_limit, fp8)
+        return fitted(chosen, hidden, intermediate, shared_limit, fp8, weight_only)
     slots = tokens * top_k
     rows_per_expert = slots / max(1, min(experts, slots))
     if fp8:
-        return fitted(_fp8_plan(rows_per_expert, sm90), hidden, intermediate, shared_limit, True)
+        chosen = _fp8_plan(rows_per_expert, sm90 and not weight_only)
+        return fitted(chosen, hidden, intermediate, shared_limit, True, weight_only)
     if rows_per_expert <= TINY_ROWS:
         chosen = BY_SLOT if slots <= SLOT_SLOTS else TINY
     elif rows_per_expert <= (SMALL_ROWS_SM90 if sm90 else SMALL_ROWS):
@@ -274,8 +285,8 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     return fitted(chosen, hidden, intermediate, shared_limit)
 
 
-def _fp8_plan(rows_per_expert: float, sm90: bool) -> Plan:
-    if sm90:  # e4m3 wgmma sums differ in their last bits from mma.sync's: one kernel at every T, one set of bits
+def _fp8_plan(rows_per_expert: float, persistent: bool) -> Plan:
+    if persistent:  # e4m3 wgmma sums differ in their last bits from mma.sync's: one kernel at every T, one set of bits
         return PERSISTENT_FP8
     if rows_per_expert <= TINY_ROWS:
         return TINY
@@ -287,12 +298,14 @@ def _fallback(fp8: bool) -> Plan:
     return MEDIUM_32 if fp8 else LARGE
 
 
-def fitted(chosen: Plan, hidden: int, intermediate: int, shared_limit: int, fp8: bool = False) -> Plan:
+def fitted(chosen: Plan, hidden: int, intermediate: int, shared_limit: int, fp8: bool = False,
+           weight_only: bool = False) -> Plan:
     """``chosen`` (and its skewed plan) with tiles that divide H and I and pipelines that fit
-    ``shared_limit`` bytes (with ``fp8`` operands). A skewed plan that fits to the same configs is dropped."""
+    ``shared_limit`` bytes (with ``fp8`` operands, ``weight_only``: FP8 weights beside 16-bit A).
+    A skewed plan that fits to the same configs is dropped."""
     fallback = _fallback(fp8)
-    own = Plan(_fit_shared(_fit(chosen.gate_up, fallback.gate_up, intermediate), True, shared_limit, fp8),
-               _fit_shared(_fit(chosen.down, fallback.down, hidden), False, shared_limit, fp8),
+    own = Plan(_fit_shared(_fit(chosen.gate_up, fallback.gate_up, intermediate), True, shared_limit, fp8, weight_only),
+               _fit_shared(_fit(chosen.down, fallback.down, hidden), False, shared_limit, fp8, weight_only),
                standby_blocks=chosen.standby_blocks)
     if chosen.skewed is None:
         return own
@@ -302,17 +315,20 @@ def fitted(chosen: Plan, hidden: int, intermediate: int, shared_limit: int, fp8:
 
 
 @functools.lru_cache(maxsize=None)  # every launch asks; building the list takes ~20 us
-def name_expressions(source: str, dtype, gated: bool, epilogue: Epilogue = PLAIN, fp8: int = NOT_FP8) -> tuple:
+def name_expressions(source: str, dtype, gated: bool, epilogue: Epilogue = PLAIN, fp8: int = NOT_FP8,
+                     weight_only: bool = False) -> tuple:
     """Every instantiation of one GEMM in ``source`` that the plans use on sm_80 and sm_90, for one
-    dtype and epilogue, with bf16/fp16 operands or ``fp8`` ones (one module)."""
+    dtype and epilogue, with bf16/fp16 operands or ``fp8`` ones (``weight_only``: FP8 weights only;
+    one module)."""
     names = []
     fallback = _fallback(fp8 != NOT_FP8)
-    for p in PLANS if fp8 == NOT_FP8 else FP8_PLANS:
+    for p in WEIGHT_ONLY_PLANS if weight_only else PLANS if fp8 == NOT_FP8 else FP8_PLANS:
         cfg = p.gate_up if gated else p.down
         for variant in (cfg, _fit(cfg, fallback.gate_up if gated else fallback.down, K_TILE)):
             if variant.source == source:
                 # one name, or slot_gemm's for each id type
-                names += [variant.name_expression(dtype, gated, i, epilogue, fp8) for i in ID_TYPES.values()]
+                names += [variant.name_expression(dtype, gated, i, epilogue, fp8, weight_only)
+                          for i in ID_TYPES.values()]
     return tuple(dict.fromkeys(names))
 
 

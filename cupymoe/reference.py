@@ -3,7 +3,7 @@
 It follows the kernels' numerics: float32 accumulation; biases, the routing weight on the input and
 the activation applied in float32; the intermediate ``h`` and each expert's output rounded to the
 activation dtype; the combine summed in float32 over j = 0..k-1 in order. FP8 weights follow
-:mod:`cupymoe.fp8` (their GEMMs quantize their input: x, and h after its rounding).
+:mod:`cupymoe.fp8` (w8a8: their GEMMs quantize their input, x and h after its rounding; w8a16: not).
 """
 from __future__ import annotations
 
@@ -70,12 +70,12 @@ def activate(activation: str, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     raise ValueError(f"activation: unknown {activation!r}")
 
 
-def _projection(a: np.ndarray, w: np.ndarray, scales, expert: int) -> np.ndarray:
-    """float32 ``a @ w[expert].T`` for float32 ``a``: plain, or in FP8 numerics with ``scales``
-    (that weight's scale array of all experts)."""
-    if scales is None:
+def _projection(a: np.ndarray, w: np.ndarray, scale, expert: int, weight_only: bool = False) -> np.ndarray:
+    """float32 ``a @ w[expert].T`` for float32 ``a``: plain, or in FP8 numerics with ``scale``
+    (that weight's scale array of all experts; ``weight_only``: w8a16)."""
+    if scale is None:
         return a @ w[expert].astype(np.float32).T
-    return fp8.matmul(a, fp8.as_e4m3(w[expert]), scales[expert])
+    return fp8.matmul(a, fp8.as_e4m3(w[expert]), scale[expert], weight_only)
 
 
 def expert_outputs(x, w13, w2, top_k, offsets, sorted_slots, options: ExpertOptions = ExpertOptions(),
@@ -94,7 +94,8 @@ def expert_outputs(x, w13, w2, top_k, offsets, sorted_slots, options: ExpertOpti
         if slots.size == 0:
             continue
         xs = x[slots // top_k].astype(np.float32)
-        gate_up = _projection(xs, w13, None if scales is None else scales.w13, e)
+        weight_only = scales is not None and scales.weight_only
+        gate_up = _projection(xs, w13, None if scales is None else scales.w13, e, weight_only)
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
         if options.weight_on_input:
             scale = slot_weights[slots][:, None]
@@ -103,7 +104,7 @@ def expert_outputs(x, w13, w2, top_k, offsets, sorted_slots, options: ExpertOpti
             bias = options.w13_bias[e].astype(np.float32)
             gate, up = gate + bias[:inter], up + bias[inter:]
         h = activate(options.activation, gate, up).astype(x.dtype).astype(np.float32)
-        out = _projection(h, w2, None if scales is None else scales.w2, e)
+        out = _projection(h, w2, None if scales is None else scales.w2, e, weight_only)
         if options.w2_bias is not None:
             out += options.w2_bias[e].astype(np.float32)
         y[offsets[e]:offsets[e + 1]] = out.astype(x.dtype)

@@ -31,6 +31,15 @@ template <> struct Float16Traits<bf16> {
     return r;
   }
   CUPYMOE_MMA_M16N8K16("bf16")
+  // Two e4m3 bytes, each in the high byte of a 16-bit half (``t``), as bf16 values: the exponent
+  // and mantissa shifted under the sign read the value times 2^-120 (subnormals too), the fma
+  // scales it back. Exact; the e4m3fn NaN code reads as 480.
+  static __device__ __forceinline__ u32 from_e4m3_pair(u32 t) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;"
+        : "=r"(r) : "r"((t & 0x80008000u) | ((t >> 4) & 0x07f007f0u)), "r"(0x7b807b80u), "r"(0x80008000u));
+    return r;
+  }
 };
 
 template <> struct Float16Traits<f16> {
@@ -45,6 +54,13 @@ template <> struct Float16Traits<f16> {
     return r;
   }
   CUPYMOE_MMA_M16N8K16("f16")
+  // As bf16's, times 2^-8 before the fma.
+  static __device__ __forceinline__ u32 from_e4m3_pair(u32 t) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;"
+        : "=r"(r) : "r"((t & 0x80008000u) | ((t >> 1) & 0x3f803f80u)), "r"(0x5c005c00u), "r"(0x80008000u));
+    return r;
+  }
 };
 
 #undef CUPYMOE_MMA_M16N8K16
@@ -56,6 +72,13 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], const u32 (&a)[4], u32 b
                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four e4m3 values (the bytes of ``x``) widened exactly to T: lo holds bytes 0 and 1, hi bytes 2 and 3.
+template <class T>
+__device__ __forceinline__ void widen_e4m3(u32 x, u32& lo, u32& hi) {
+  lo = Float16Traits<T>::from_e4m3_pair(__byte_perm(x, 0, 0x1404));
+  hi = Float16Traits<T>::from_e4m3_pair(__byte_perm(x, 0, 0x3424));
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -73,6 +96,10 @@ __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid)
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ void lds_64(u32& lo, u32& hi, u32 addr) {
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(lo), "=r"(hi) : "r"(addr));
 }
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {

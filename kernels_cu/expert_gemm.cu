@@ -10,6 +10,10 @@
 // FP8_BLOCK values, one scale group, whose m16n8k32 products sum in the accumulators; after each
 // K-tile they are added to the totals times the group's scales (Fp8Scales) and cleared. The FP8
 // template argument says which: NOT_FP8, or the weight scales' layout.
+// WEIGHT_ONLY (w8a16, any sm_80+): FP8 weights beside 16-bit A. A weight K-tile (128 e4m3 bytes a
+// row, one scale group) meets two of A's; ldmatrix gives each lane the m16n8k32 fragment of 4 bytes
+// (k = 4q..4q+3 and 16 on, q = lane % 4), widened exactly in registers to the B of two m16n8k16
+// MMAs whose K runs in that order; A's fragments follow it, 8 bytes (k = 4q..4q+3) a load.
 // Two kernels compute such tiles:
 //   expert_gemm: the tiles of the dispatch's m-tile map, one per block from a grid of all tiles;
 //                from a smaller grid (one wave, for a launch that may not be the dispatch's choice,
@@ -79,6 +83,88 @@ __device__ __forceinline__ void mma_step(float (&d)[4], const u32 (&a)[4], u32 b
   if constexpr (FP8 != NOT_FP8) mma_e4m3(d, a, b0, b1); else F::mma(d, a, b0, b1);
 }
 
+// One K-tile of 16-bit A (or of e4m3 A and weights, FP8) at ``sa`` times its weights at ``sb``,
+// summed into the accumulators (GATED: the up rows, BN on, into acc_up).
+template <class T, int BM, int BN, int WM, int WN, bool GATED, int FP8, class Acc, class AccUp>
+__device__ __forceinline__ void mma_k_tile(Acc& acc, AccUp& acc_up, u32 sa, u32 sb, int warp_m, int warp_n, int lane) {
+  using W = WarpTiles<BM, BN, WM, WN>;
+  using F = Float16Traits<T>;
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk) {
+    u32 af[W::MI][4];
+#pragma unroll
+    for (int mi = 0; mi < W::MI; ++mi)
+      ldmatrix_x4(af[mi], sa + swizzled_offset(warp_m * W::WTM + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+    for (int nj = 0; nj < W::NI / 2; ++nj) {
+      const int n_row = warp_n * W::WTN + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
+      const int chunk = kk * 2 + ((lane >> 3) & 1);
+      u32 bf[4];
+      ldmatrix_x4(bf, sb + swizzled_offset(n_row, chunk));
+#pragma unroll
+      for (int mi = 0; mi < W::MI; ++mi) {
+        mma_step<FP8, F>(acc[mi][2 * nj], af[mi], bf[0], bf[1]);
+        mma_step<FP8, F>(acc[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
+      }
+      if constexpr (GATED) {
+        ldmatrix_x4(bf, sb + swizzled_offset(BN + n_row, chunk));
+#pragma unroll
+        for (int mi = 0; mi < W::MI; ++mi) {
+          mma_step<FP8, F>(acc_up[mi][2 * nj], af[mi], bf[0], bf[1]);
+          mma_step<FP8, F>(acc_up[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
+        }
+      }
+    }
+  }
+}
+
+// WEIGHT_ONLY: 16 weight rows' e4m3 fragment of one 32-value step (ldmatrix at ``b_addr``), widened
+// to T, times A's fragments ``af`` of the step's halves: four m16n8k16 MMAs per mi into sums[mi][2nj], [2nj + 1].
+template <class T, int MI, class Sums>
+__device__ __forceinline__ void widened_mmas(Sums& sums, const u32 (&af)[MI][2][4], u32 b_addr, int nj) {
+  u32 bf[4], b[4][2];
+  ldmatrix_x4(bf, b_addr);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) widen_e4m3<T>(bf[i], b[i][0], b[i][1]);
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)  // bf[i]: rows 8 * (i / 2) on, k 16 * (i % 2) on
+      Float16Traits<T>::mma(sums[mi][2 * nj + (i >> 1)], af[mi][i & 1], b[i][0], b[i][1]);
+}
+
+// WEIGHT_ONLY: one weight K-tile of e4m3 at ``sb`` times A's two K-tiles at ``sa`` (16-bit), 32 K
+// values a step: A's fragments of the step's halves (k 0..15, 16..31), 8-byte loads of rows g and
+// g + 8 in the widened fragments' K order (the file's header).
+template <class T, int BM, int BN, int WM, int WN, bool GATED, class Acc, class AccUp>
+__device__ __forceinline__ void mma_k_tile_weight_only(Acc& acc, AccUp& acc_up, u32 sa, u32 sb, int warp_m, int warp_n,
+                                                       int lane) {
+  using W = WarpTiles<BM, BN, WM, WN>;
+  constexpr u32 A_TILE_BYTES = BM * ROW_BYTES;
+#pragma unroll
+  for (int step = 0; step < 2 * BK / 32; ++step) {
+    const u32 s_step = sa + (step >> 1) * A_TILE_BYTES;
+    u32 af[W::MI][2][4];
+#pragma unroll
+    for (int mi = 0; mi < W::MI; ++mi)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = warp_m * W::WTM + mi * 16 + (lane >> 2) + r * 8;
+          const int chunk = (step & 1) * 4 + half * 2 + ((lane & 3) >> 1);
+          lds_64(af[mi][half][r], af[mi][half][2 + r], s_step + swizzled_offset(row, chunk) + (lane & 1) * 8);
+        }
+#pragma unroll
+    for (int nj = 0; nj < W::NI / 2; ++nj) {
+      const int n_row = warp_n * W::WTN + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
+      const int chunk = step * 2 + ((lane >> 3) & 1);
+      widened_mmas<T, W::MI>(acc, af, sb + swizzled_offset(n_row, chunk), nj);
+      if constexpr (GATED) widened_mmas<T, W::MI>(acc_up, af, sb + swizzled_offset(BN + n_row, chunk), nj);
+    }
+  }
+}
+
 // The epilogue (epilogue.cuh): writes the tile's valid rows of a warp's accumulators, gate/up
 // through the activation, C's row r at order[r] when SLOT_ORDER, else at the tile's slot_base + r.
 // Gate/up's row r is the slot order[slot_base + r] (SLOT_ORDER: slot_base 0).
@@ -125,28 +211,32 @@ __device__ __forceinline__ void store_tile(const Acc& acc, const AccUp& acc_up, 
 // One block's tile, start to end: the main loop streams the K-tiles through STAGES shared stages
 // of KG K-tiles each (the last group may be short), multiplying each stage once it has landed;
 // then the epilogue. ``order`` as RowGather reads it; SLOT_ORDER: C's row r is order[r]
-// (slot_base 0), else slot_base + r. FP8 (but NOT_FP8): e4m3 operands with their ``scales``.
+// (slot_base 0), else slot_base + r. FP8 (but NOT_FP8): e4m3 weights with their ``scales``, and
+// e4m3 A unless WEIGHT_ONLY; k_dim is A's row in 16-bit units.
 template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE,
-          bool SLOT_ORDER, int FP8>
+          bool SLOT_ORDER, int FP8, bool WEIGHT_ONLY>
 __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restrict__ a,
                                           const int* __restrict__ order, int top_k,
                                           const u16* __restrict__ w, int n_out, int k_dim,
                                           u16* __restrict__ c, const EpilogueArgs& epilogue,
                                           const Fp8Scales& scales) {
   using W = WarpTiles<BM, BN, WM, WN>;
-  using F = Float16Traits<T>;
   using Loader = TileLoader<BM, BN, W::THREADS, GATED>;
+  constexpr bool SCALED = FP8 != NOT_FP8;
+  static_assert(SCALED || !WEIGHT_ONLY, "weight-only takes FP8 weights");
+  constexpr int A_TILES = WEIGHT_ONLY ? 2 : 1;  // A's K-tiles per weight K-tile
+  constexpr int A_STEP = A_TILES * Loader::A_BYTES;
 
-  const Loader loader(tile, order, top_k, w, n_out, k_dim);
+  const int w_k = k_dim / A_TILES;  // a weight row, 16-bit units
+  const Loader loader(tile, order, top_k, w, n_out, w_k);
 
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 s_a = smem_addr(smem);
-  const u32 s_b = s_a + STAGES * KG * Loader::A_BYTES;
+  const u32 s_b = s_a + STAGES * KG * A_STEP;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warp_m = warp % WM, warp_n = warp / WM;
   float acc[W::MI][W::NI][4] = {};
   float acc_up[GATED ? W::MI : 1][GATED ? W::NI : 1][4] = {};  // GATED: the up projection's columns
-  constexpr bool SCALED = FP8 != NOT_FP8;
   float total[SCALED ? W::MI : 1][SCALED ? W::NI : 1][4] = {};  // FP8: the scaled sums of the K-tiles so far
   float total_up[SCALED && GATED ? W::MI : 1][SCALED && GATED ? W::NI : 1][4] = {};
   int a_row[SCALED ? W::MI : 1][2];  // FP8: the row of A (and of its scales) of each accumulator row; -1 past the tile
@@ -164,14 +254,17 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
       }
   }
 
-  const int k_tiles = k_dim / BK;
+  const int k_tiles = w_k / BK;
   const int k_groups = (k_tiles + KG - 1) / KG;
   const auto load_group = [&](int g) {
 #pragma unroll
     for (int j = 0; j < KG; ++j) {
-      const int sub = (g % STAGES) * KG + j;
-      if (g * KG + j < k_tiles)
-        loader.load(s_a + sub * Loader::A_BYTES, s_b + sub * Loader::B_BYTES, a, n_out, k_dim, g * KG + j);
+      const int sub = (g % STAGES) * KG + j, kt = g * KG + j;
+      if (kt >= k_tiles) continue;
+#pragma unroll
+      for (int i = 0; i < A_TILES; ++i)
+        loader.gather.load(s_a + sub * A_STEP + i * Loader::A_BYTES, a, k_dim, kt * A_TILES + i);
+      loader.load_weights(s_b + sub * Loader::B_BYTES, n_out, w_k, kt);
     }
   };
 #pragma unroll
@@ -186,47 +279,25 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
     cp_async_commit();
 #pragma unroll
     for (int j = 0; j < KG; ++j) {
-      if (g * KG + j == k_tiles) break;
-      const u32 sa = s_a + ((g % STAGES) * KG + j) * Loader::A_BYTES;
+      const int kt = g * KG + j;
+      if (kt == k_tiles) break;
+      const u32 sa = s_a + ((g % STAGES) * KG + j) * A_STEP;
       const u32 sb = s_b + ((g % STAGES) * KG + j) * Loader::B_BYTES;
       float a_scale[SCALED ? W::MI : 1][2];
       if constexpr (SCALED) {  // this K-tile's scales, loaded before its MMAs so that they land meanwhile
-        const int kg = g * KG + j;
 #pragma unroll
         for (int mi = 0; mi < W::MI; ++mi)
 #pragma unroll
           for (int half = 0; half < 2; ++half)
-            a_scale[mi][half] = a_row[mi][half] < 0 ? 0.0f : scales.a[(long long)a_row[mi][half] * k_tiles + kg];
-        w_scale.block_scale(scales, tile.expert, w_rows, w_row, k_tiles, kg);
-        if constexpr (GATED) w_scale_up.block_scale(scales, tile.expert, w_rows, w_row + n_out, k_tiles, kg);
+            a_scale[mi][half] = WEIGHT_ONLY ? 1.0f  // A is not quantized
+                                : a_row[mi][half] < 0 ? 0.0f : scales.a[(long long)a_row[mi][half] * k_tiles + kt];
+        w_scale.block_scale(scales, tile.expert, w_rows, w_row, k_tiles, kt);
+        if constexpr (GATED) w_scale_up.block_scale(scales, tile.expert, w_rows, w_row + n_out, k_tiles, kt);
       }
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        u32 af[W::MI][4];
-#pragma unroll
-        for (int mi = 0; mi < W::MI; ++mi)
-          ldmatrix_x4(af[mi], sa + swizzled_offset(warp_m * W::WTM + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-#pragma unroll
-        for (int nj = 0; nj < W::NI / 2; ++nj) {
-          const int n_row = warp_n * W::WTN + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
-          const int chunk = kk * 2 + ((lane >> 3) & 1);
-          u32 bf[4];
-          ldmatrix_x4(bf, sb + swizzled_offset(n_row, chunk));
-#pragma unroll
-          for (int mi = 0; mi < W::MI; ++mi) {
-            mma_step<FP8, F>(acc[mi][2 * nj], af[mi], bf[0], bf[1]);
-            mma_step<FP8, F>(acc[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
-          }
-          if constexpr (GATED) {  // the up rows, BN on
-            ldmatrix_x4(bf, sb + swizzled_offset(BN + n_row, chunk));
-#pragma unroll
-            for (int mi = 0; mi < W::MI; ++mi) {
-              mma_step<FP8, F>(acc_up[mi][2 * nj], af[mi], bf[0], bf[1]);
-              mma_step<FP8, F>(acc_up[mi][2 * nj + 1], af[mi], bf[2], bf[3]);
-            }
-          }
-        }
-      }
+      if constexpr (WEIGHT_ONLY)
+        mma_k_tile_weight_only<T, BM, BN, WM, WN, GATED>(acc, acc_up, sa, sb, warp_m, warp_n, lane);
+      else
+        mma_k_tile<T, BM, BN, WM, WN, GATED, FP8>(acc, acc_up, sa, sb, warp_m, warp_n, lane);
       if constexpr (SCALED) {
         promote(total, acc, a_scale, w_scale);
         if constexpr (GATED) promote(total_up, acc_up, a_scale, w_scale_up);
@@ -244,7 +315,8 @@ __device__ __forceinline__ void gemm_tile(const Tile& tile, const u16* __restric
 
 // Shared memory bounds the occupancy of both kernels; without the 1, ptxas holds them to fewer
 // registers and spills.
-template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8>
+template <class T, int BM, int BN, int WM, int WN, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8,
+          bool WEIGHT_ONLY>
 __global__ void __launch_bounds__(WM * WN * 32, 1)
 expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
             const u16* __restrict__ w, const int* __restrict__ offsets,
@@ -257,7 +329,7 @@ expert_gemm(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int
     Tile tile;
     if (!find_tile<BM, BN>(work, offsets, tile_offsets, num_experts, n_out, tile)) return;
     // down's rows of h are its tiles' positions
-    gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, ACT, EPILOGUE, false, FP8>(
+    gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, ACT, EPILOGUE, false, FP8, WEIGHT_ONLY>(
         tile, a, GATED ? sorted_slots : nullptr, top_k, w, n_out, k_dim, c, epilogue, scales);
     if (one_each) return;
     if (threadIdx.x == 0) claimed = gridDim.x + atomicAdd(tile_counter(tile_offsets, num_experts), 1);
@@ -305,6 +377,6 @@ slot_gemm(const u16* __restrict__ a, const IdT* __restrict__ ids, int num_slots,
   }
   __syncthreads();
   if (row_count == 0) return;
-  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, ACT, EPILOGUE, true, NOT_FP8>(
+  gemm_tile<T, BM, BN, WM, WN, STAGES, KG, GATED, ACT, EPILOGUE, true, NOT_FP8, false>(
       Tile{expert, 0, row_count, n_tile * BN}, a, rows, top_k, w, n_out, k_dim, c, epilogue, Fp8Scales{});
 }

@@ -113,7 +113,8 @@ struct RowGather {
   }
 };
 
-// A tile's A rows and its B rows (the weights), by cp.async.
+// A tile's A rows and its B rows (the weights), by cp.async. ``w_k``: a weight row's length in
+// 16-bit units (K, or K / 2 for e4m3 weights beside 16-bit A: cupymoe's w8a16).
 template <int BM, int BN, int THREADS, bool GATED>
 struct TileLoader {
   using Gather = RowGather<BM, THREADS, GATED>;
@@ -126,21 +127,26 @@ struct TileLoader {
   const u16* b_src;  // this thread's first weight row and chunk
 
   __device__ __forceinline__ TileLoader(const Tile& t, const int* order, int top_k, const u16* w,
-                                        int n_out, int k_dim)
+                                        int n_out, int w_k)
       : gather(t, order, top_k) {
     const long long w_rows = GATED ? 2LL * n_out : n_out;
-    b_src = w + (t.expert * w_rows + t.n0 + (threadIdx.x >> 3)) * k_dim + (threadIdx.x & 7) * 8;
+    b_src = w + (t.expert * w_rows + t.n0 + (threadIdx.x >> 3)) * w_k + (threadIdx.x & 7) * 8;
   }
 
-  __device__ __forceinline__ void load(u32 s_a, u32 s_b, const u16* a, int n_out, int k_dim, int kt) const {
-    gather.load(s_a, a, k_dim, kt);
+  // K-tile kt of the weight rows.
+  __device__ __forceinline__ void load_weights(u32 s_b, int n_out, int w_k, int kt) const {
     const int r0 = threadIdx.x >> 3, chunk = threadIdx.x & 7;
 #pragma unroll
     for (int i = 0; i < B_ITERS; ++i) {
       const int r = i * Gather::ROW_STEP;  // GATED: rows from BN on are the up projection, n_out rows further
       const long long skip = (GATED && r >= BN) ? n_out - BN : 0;
-      cp_async_16(s_b + swizzled_offset(r0 + r, chunk), b_src + (r + skip) * k_dim + kt * BK, true);
+      cp_async_16(s_b + swizzled_offset(r0 + r, chunk), b_src + (r + skip) * w_k + kt * BK, true);
     }
+  }
+  // K-tile kt of A and of the weights, whose rows are as long (both 16-bit, or both e4m3).
+  __device__ __forceinline__ void load(u32 s_a, u32 s_b, const u16* a, int n_out, int k_dim, int kt) const {
+    gather.load(s_a, a, k_dim, kt);
+    load_weights(s_b, n_out, k_dim, kt);
   }
 };
 

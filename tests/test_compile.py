@@ -26,14 +26,14 @@ MODULES = [
           for source in GEMM_SOURCES for gated, epilogue in EPILOGUES]
 
 
-def _small_shared_memory_names(dtype, fp8=plans.NOT_FP8):
+def _small_shared_memory_names(dtype, fp8=plans.NOT_FP8, weight_only=False):
     """Instantiations that only GPUs with 99 KiB of shared memory per block (sm_86, sm_89) use."""
     names = []
     for tokens in (1, 64, 256, 512, 1024, 4096):
-        p = plans.plan(tokens, 8, 256, 4096, 1024, 89, plans.SHARED_LIMIT_SMALLEST, fp8 != plans.NOT_FP8)
+        p = plans.plan(tokens, 8, 256, 4096, 1024, 89, plans.SHARED_LIMIT_SMALLEST, fp8 != plans.NOT_FP8, weight_only)
         for cfg, gated in ((p.gate_up, True), (p.down, False)):
-            name = cfg.name_expression(dtype, gated, fp8=fp8)
-            if name not in plans.name_expressions(cfg.source, dtype, gated, fp8=fp8):
+            name = cfg.name_expression(dtype, gated, fp8=fp8, weight_only=weight_only)
+            if name not in plans.name_expressions(cfg.source, dtype, gated, fp8=fp8, weight_only=weight_only):
                 names.append(name)
     return tuple(dict.fromkeys(names))
 
@@ -62,13 +62,22 @@ FP8_PERSISTENT_MODULES = [
     [(layout, _checks.BFLOAT16, gated, plans.PLAIN) for layout in FP8_LAYOUTS for gated in (True, False)]
     + [(FP8_LAYOUTS[0], _checks.FLOAT16, True, plans.PLAIN)]
     + [(FP8_LAYOUTS[0], _checks.BFLOAT16, gated, epilogue) for gated, epilogue in EPILOGUES[-2:]]]
+# Weight-only FP8 (w8a16, every GPU): the mma.sync GEMM for each kernel layout, both dtypes, the plain and the
+# fullest epilogue; and what the 99 KiB GPUs cut.
+WEIGHT_ONLY_MODULES = [
+    (MMA_SOURCE, plans.name_expressions(MMA_SOURCE, dtype, gated, epilogue, layout, weight_only=True))
+    for layout, dtype, gated, epilogue in
+    [(layout, dtype, gated, plans.PLAIN) for layout in FP8_LAYOUTS for dtype in (_checks.BFLOAT16, _checks.FLOAT16)
+     for gated in (True, False)] + [(FP8_LAYOUTS[0], _checks.BFLOAT16, True, EPILOGUES[-2][1])]]
 TARGETS = [(source, names, arch) for source, names in MODULES for arch in ARCHS] + [
+    (source, names, arch) for source, names in WEIGHT_ONLY_MODULES for arch in ARCHS] + [
     (plans.SOURCES[plans.MMA], _small_shared_memory_names(dtype), arch)
     for dtype in (_checks.BFLOAT16, _checks.FLOAT16) for arch in SMALL_SHARED_MEMORY_ARCHS] + [
     (source, names, arch) for source, names in FP8_MODULES for arch in FP8_ARCHS] + [
     (source, names, "sm_90a") for source, names in FP8_PERSISTENT_MODULES] + [
     (MMA_SOURCE, names, "sm_89") for names in [_small_shared_memory_names(_checks.BFLOAT16, layout)
-                                                for layout in FP8_LAYOUTS] if names]
+                                                for layout in FP8_LAYOUTS] if names] + [
+    (MMA_SOURCE, _small_shared_memory_names(_checks.BFLOAT16, layout, True), "sm_86") for layout in FP8_LAYOUTS]
 
 
 def _nvrtc_archs():

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import cupymoe
-from cupymoe import fp8, plans
+from cupymoe import fp8, plans, reference
 from helpers import (BF16, FP8_GPU_ORACLE_TOL, FP8_MATMUL_RTOL, FP8_ORACLE_TOL, FP8_REFERENCE_TOL, FP16, ORACLE_TOL,
-                     host_bits, oracle, poison, random_problem, rel_l2)
+                     REFERENCE_TOL, host_bits, oracle, poison, random_problem, rel_l2)
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 LAYOUTS = ["block", "channel", "expert"]
@@ -135,6 +135,39 @@ def test_layer_against_the_oracles(layout, hidden, inter, dtype):
     assert 5e-3 < error < FP8_ORACLE_TOL
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("hidden,inter", SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_weight_only_is_the_16_bit_path_on_the_dequantized_weights(layout, hidden, inter, dtype):
+    """w8a16: nothing but h and y is rounded, so against the float64 oracle on the dequantized weights
+    the bf16 path's bound holds; beside that path on those weights only the float32 products differ."""
+    rng = np.random.default_rng(hidden + inter + 1)
+    x, (q13, s13, q2, s2), ids, weights = fp8_problem(rng, 13, hidden, 6, inter, 2, layout, dtype)
+    ids[2, 1] = -1
+    w13, w2 = fp8.dequantize_weights(q13, s13), fp8.dequantize_weights(q2, s2)
+    got = cupymoe.fused_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2, fp8_compute="w8a16")
+    assert got.dtype == dtype
+    assert rel_l2(got, oracle(x, w13, w2, ids, weights)) < ORACLE_TOL
+    sixteen_bit = reference.fused_experts(x, w13, w2, ids, weights, np.empty_like(x))
+    assert rel_l2(got, sixteen_bit) < REFERENCE_TOL
+    w8a8 = cupymoe.fused_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2, fp8_compute="w8a8")
+    assert np.array_equal(w8a8.view(np.uint16),
+                          cupymoe.fused_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2).view(np.uint16))
+    moe = cupymoe.MoE(q13, q2, w13_scale=s13, w2_scale=s2, fp8_compute="w8a16")
+    assert moe.scales.weight_only and np.array_equal(moe(x, ids, weights).view(np.uint16), got.view(np.uint16))
+
+
+def test_w8a8_on_a_gpu_without_fp8_tensor_cores_points_to_weight_only(monkeypatch):
+    from cupymoe import _compile, layer
+    from cupymoe._types import WeightScales
+
+    monkeypatch.setattr(_compile, "compute_capability", lambda device_id: 80)
+    with pytest.raises(ValueError, match=r'fp8_compute: w8a8 needs FP8 tensor cores .* GPU 0 is 8.0: pass '
+                                         r'fp8_compute="w8a16"'):
+        layer._require_fp8_kernels(WeightScales(None, None), (4, 128, 256), 0)
+    layer._require_fp8_kernels(WeightScales(None, None, weight_only=True), (4, 128, 256), 0)
+
+
 def test_uint8_bits_are_the_same_weights():
     rng = np.random.default_rng(3)
     x, (q13, s13, q2, s2), ids, weights = fp8_problem(rng, 7, 128, 4, 64, 2, "block")
@@ -211,6 +244,13 @@ def bad(make, error, match):
         TypeError, "w2_bias: expected dtype bfloat16 like w13_bias"),
     bad(lambda q13, s13, q2, s2: dict(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2, w2_bias=np.zeros((4, 256))),
         TypeError, "w2_bias: expected dtype bfloat16 or float16"),
+    bad(lambda q13, s13, q2, s2: dict(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2, fp8_compute="w4a16"), ValueError,
+        r"fp8_compute: expected one of \('w8a8', 'w8a16'\) or None, got 'w4a16'"),
+    bad(lambda q13, s13, q2, s2: dict(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2, fp8_compute=True), TypeError,
+        "fp8_compute: expected one of .* got bool"),
+    bad(lambda q13, s13, q2, s2: dict(w13=fp8.dequantize_weights(q13, s13).astype(BF16),
+                                      w2=fp8.dequantize_weights(q2, s2).astype(BF16), fp8_compute="w8a16"),
+        ValueError, "fp8_compute: applies to FP8 weights only, got w13 of dtype bfloat16"),
 ])
 def test_bad_fp8_arguments(make, error, match):
     rng = np.random.default_rng(0)
@@ -322,6 +362,67 @@ def test_gpu_layer_zero_tokens_batch_invariance_and_graph_replay():
     layer = cupymoe.MoE(q13, q2, w13_scale=s13, w2_scale=s2)
     assert layer(x[:0], ids[:0], weights[:0]).shape == (0, 256)
     full = layer(x, ids, weights).copy()
+    for rows in (slice(0, 1), slice(5, 12), slice(17, 81)):  # other plans, the same bits
+        assert np.array_equal(host_bits(layer(x[rows], ids[rows], weights[rows])), host_bits(full[rows]))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        part = [cupy.ascontiguousarray(a[:64]) for a in (x, ids, weights)]
+        layer(*part, check_ids=False)
+        stream.begin_capture()
+        out = layer(*part, check_ids=False)
+        graph = stream.end_capture()
+        part[0][...] = x[100:164]
+        part[1][...] = ids[100:164]
+        part[2][...] = weights[100:164]
+        poison(out)
+        graph.launch(stream)
+        stream.synchronize()
+    assert np.array_equal(host_bits(out), host_bits(full[100:164]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_gpu_weight_only_against_the_numpy_backend(tokens, layout, dtype):
+    """w8a16 on the GPU: the NumPy backend's numerics up to the float32 summation order (the bf16
+    path's bound), every plan with the same bits, reproducible; subnormal and largest e4m3 weights."""
+    import cupy
+
+    problem = fp8_problem(np.random.default_rng(tokens + 1), tokens, 256, 8, 384, 4, layout, dtype)
+    x, (q13, s13, q2, s2), ids, weights = problem
+    ids[0, 1] = -1
+    q13.view(np.uint8)[1, :4, :8] = [0x01, 0x81, 0x07, 0x7e, 0xfe, 0x00, 0x80, 0x39]  # subnormals, +-448, +-0
+    want = cupymoe.fused_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2, fp8_compute="w8a16")
+    args = gpu_fp8(cupy, problem)
+    bits = []
+    for plan in plans.WEIGHT_ONLY_PLANS:
+        with plans.forced(plan):
+            got = gpu_forward(cupy, args, fp8_compute="w8a16")
+            bits.append(host_bits(got))
+            assert np.array_equal(host_bits(gpu_forward(cupy, args, fp8_compute="w8a16")), bits[-1])
+        assert rel_l2(got, want) < REFERENCE_TOL
+    assert all(np.array_equal(b, bits[0]) for b in bits)
+    with plans.forced(plans.PERSISTENT_FP8), pytest.raises(ValueError, match="weight-only FP8 runs its own plans"):
+        gpu_forward(cupy, args, fp8_compute="w8a16")
+
+
+@pytest.mark.gpu
+def test_gpu_weight_only_layer_batch_invariance_options_and_graph_replay():
+    import cupy
+
+    rng = np.random.default_rng(8)
+    x, w13, w2, ids, weights = random_problem(rng, 300, 256, 16, 128, 4, BF16, "sparse")
+    q13, s13 = fp8.quantize_weights(w13, "block")
+    q2, s2 = fp8.quantize_weights(w2, "expert")
+    kwargs = dict(activation="swigluoai", w13_bias=(0.5 * rng.standard_normal((16, 256))).astype(BF16))
+    want = cupymoe.fused_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2, fp8_compute="w8a16", **kwargs)
+    x, q13, s13, q2, s2, ids, weights = gpu_fp8(cupy, (x, (q13, s13, q2, s2), ids, weights))
+    layer = cupymoe.MoE(q13, q2, w13_scale=s13, w2_scale=s2, fp8_compute="w8a16", activation="swigluoai",
+                        w13_bias=cupy.asarray(kwargs["w13_bias"]))
+    assert layer(x[:0], ids[:0], weights[:0]).shape == (0, 256)
+    full = layer(x, ids, weights).copy()
+    assert rel_l2(full, want) < REFERENCE_TOL
     for rows in (slice(0, 1), slice(5, 12), slice(17, 81)):  # other plans, the same bits
         assert np.array_equal(host_bits(layer(x[rows], ids[rows], weights[rows])), host_bits(full[rows]))
     stream = cupy.cuda.Stream(non_blocking=True)

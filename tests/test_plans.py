@@ -160,7 +160,7 @@ def test_fp8_weights_take_their_plans_and_compiled_names(cc):
             assert n_out % cfg.block_n == 0
             assert cfg.shared_bytes(gated, fp8=True) + plans.STATIC_SHARED_BYTES <= 227 * 1024
             name = cfg.name_expression(_checks.BFLOAT16, gated, fp8=0)
-            assert name.endswith(",0>") and name in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated, fp8=0)
+            assert name.endswith(",0>" if cfg.kernel == plans.PERSISTENT else ",0,false>") and name in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated, fp8=0)
         if (hidden, inter) == (7168, 2048):
             seen.add(p)
     expected = {plans.PERSISTENT_FP8} if cc == 90 else {plans.TINY, plans.SMALL, plans.MEDIUM_32}
@@ -171,6 +171,35 @@ def test_fp8_weights_take_their_plans_and_compiled_names(cc):
         plans.BY_SLOT.gate_up.name_expression(_checks.BFLOAT16, True, fp8=0)
     with pytest.raises(ValueError, match="at most 64 slots"):
         plans.PERSISTENT_96.gate_up.name_expression(_checks.BFLOAT16, True, fp8=0)
+
+
+@pytest.mark.parametrize("cc", [80, 86, 89, 90])
+def test_weight_only_fp8_takes_the_mma_plans_everywhere(cc):
+    """w8a16: the mma.sync FP8 plans on every GPU, sm_90 too, with two K-tiles of A beside each weight
+    K-tile in a stage (cut to the GPU's shared memory), each config one of name_expressions(weight_only=)."""
+    seen = set()
+    for tokens, (hidden, inter) in itertools.product((1, 3, 16, 64, 256, 1024, 8192), ((7168, 2048), (384, 640))):
+        p = plans.plan(tokens, 8, 256, hidden, inter, cc, SHARED_LIMITS[cc], fp8=True, weight_only=True)
+        for cfg, gated in ((p.gate_up, True), (p.down, False)):
+            assert cfg.kernel == plans.MMA
+            weight_rows = 2 * cfg.block_n if gated else cfg.block_n
+            smem = cfg.shared_bytes(gated, True, weight_only=True)
+            assert smem == cfg.stages * cfg.k_group * (2 * cfg.block_m + weight_rows) * 128
+            assert smem + plans.STATIC_SHARED_BYTES <= SHARED_LIMITS[cc]
+            name = cfg.name_expression(_checks.BFLOAT16, gated, fp8=1, weight_only=True)
+            assert name.endswith(",1,true>")
+            if cc in (80, 90):  # the 99 KiB GPUs cut some stages: modules of their own
+                assert name in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated, fp8=1, weight_only=True)
+        if (hidden, inter) == (7168, 2048):
+            seen.add(p)
+    if cc in (80, 90):
+        assert seen == {plans.fitted(p, 7168, 2048, SHARED_LIMITS[cc], True, True) for p in plans.WEIGHT_ONLY_PLANS}
+    with plans.forced(plans.PERSISTENT_FP8), pytest.raises(ValueError, match="weight-only FP8 runs its own plans"):
+        plans.plan(64, 8, 256, 7168, 2048, cc, SHARED_LIMITS[cc], fp8=True, weight_only=True)
+    with pytest.raises(ValueError, match="weight-only FP8 runs on expert_gemm with FP8 weights"):
+        plans.PERSISTENT_FP8.gate_up.name_expression(_checks.BFLOAT16, True, fp8=0, weight_only=True)
+    with pytest.raises(ValueError, match="weight-only FP8 runs on expert_gemm with FP8 weights"):
+        plans.TINY.gate_up.name_expression(_checks.BFLOAT16, True, weight_only=True)
 
 
 def test_fp8_scales_widen_only_the_persistent_stages():
