@@ -408,6 +408,25 @@ def test_gpu_weight_only_against_the_numpy_backend(tokens, layout, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_gpu_weight_only_widens_every_e4m3_code(dtype):
+    """Gate/up weights of subnormal codes only (a flush to zero would zero h), down weights of every
+    code but NaN's: the GPU's widening against ml_dtypes' values."""
+    import cupy
+
+    rng = np.random.default_rng(12)
+    problem = fp8_problem(rng, 40, 256, 4, 128, 2, "channel", dtype)
+    x, (q13, s13, q2, s2), ids, weights = problem
+    subnormals = np.array([c | sign for c in range(1, 8) for sign in (0, 0x80)], np.uint8)
+    q13.view(np.uint8)[...] = rng.choice(subnormals, q13.shape)
+    q2.view(np.uint8)[...] = rng.choice(np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8), q2.shape)
+    s13[...] = 2.0**9 / rng.uniform(8, 32, s13.shape).astype(np.float32)  # weights up to 7/64
+    want = cupymoe.fused_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2, fp8_compute="w8a16")
+    assert np.abs(want.astype(np.float32)).max() > 0
+    assert rel_l2(gpu_forward(cupy, gpu_fp8(cupy, problem), fp8_compute="w8a16"), want) < REFERENCE_TOL
+
+
+@pytest.mark.gpu
 def test_gpu_weight_only_layer_batch_invariance_options_and_graph_replay():
     import cupy
 
