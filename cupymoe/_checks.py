@@ -41,8 +41,10 @@ def as_array(obj, name: str):
     """Return ``obj`` as a numpy.ndarray or cupy.ndarray without copying.
 
     NumPy and CuPy arrays pass through; CUDA arrays from other libraries (torch, JAX, ...)
-    are wrapped zero-copy through ``__cuda_array_interface__`` or DLPack.
+    are wrapped zero-copy through ``__cuda_array_interface__`` or DLPack; a torch
+    ``float8_e4m3fn`` tensor comes as a uint8 view of its bits (DLPack carries no float8 to CuPy).
     """
+    obj = _torch_float8_as_bits(obj)
     if isinstance(obj, np.ndarray):
         return obj
     cupy = _cupy()
@@ -63,6 +65,16 @@ def as_array(obj, name: str):
     raise TypeError(
         f"{name}: expected a NumPy, CuPy or DLPack-capable array, got {type(obj).__name__}"
     )
+
+
+def _torch_float8_as_bits(obj):
+    """A torch float8_e4m3fn tensor as its uint8 view (the e4m3 bits that FP8 weights take); anything
+    else as it is."""
+    if type(obj).__module__.split(".")[0] == "torch" and str(getattr(obj, "dtype", "")) == "torch.float8_e4m3fn":
+        import torch  # the tensor is torch's, so torch is imported already
+
+        return obj.view(torch.uint8)
+    return obj
 
 
 def array_module(arrays: dict):

@@ -47,8 +47,8 @@ def fused_experts(x, w13, w2, topk_ids, topk_weights, *, out=None, check_ids=Tru
         Token activations. T may be 0.
     w13 : array [E, 2*I, H], dtype of ``x`` or FP8, C-contiguous
         Rows ``[0, I)`` are each expert's gate projection, rows ``[I, 2I)`` its up projection.
-        FP8 weights (``ml_dtypes.float8_e4m3fn``, or uint8 holding its bits) come with
-        ``w13_scale``.
+        FP8 weights (``ml_dtypes.float8_e4m3fn``, uint8 holding its bits, or a torch
+        ``float8_e4m3fn`` tensor) come with ``w13_scale``.
     w2 : array [E, H, I], dtype of ``x`` or FP8 like ``w13``, C-contiguous
         Each expert's down projection. H and I must be multiples of 64.
     topk_ids : array [T, k], int32 or int64

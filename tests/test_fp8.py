@@ -3,6 +3,9 @@ layer on FP8 weights against float64 oracles (the dequantized weights, FP8_ORACL
 w8a8 steps written independently, ORACLE_TOL); ragged sizes, -1 ids, T = 0, checks; the loader of
 FP8 checkpoints; on the GPU the kernels against the NumPy backend (FP8_REFERENCE_TOL), bitwise
 determinism, batch invariance and graph replay."""
+import sys
+import types
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -166,6 +169,25 @@ def test_w8a8_on_a_gpu_without_fp8_tensor_cores_points_to_weight_only(monkeypatc
                                          r'fp8_compute="w8a16"'):
         layer._require_fp8_kernels(WeightScales(None, None), (4, 128, 256), 0)
     layer._require_fp8_kernels(WeightScales(None, None, weight_only=True), (4, 128, 256), 0)
+
+
+def test_torch_float8_tensors_come_in_as_their_bits(monkeypatch):
+    class Tensor:  # torch.Tensor's stand-in: float8_e4m3fn data, a uint8 view of the same bytes
+        __module__ = "torch"
+
+        def __init__(self, a):
+            self.a, self.dtype = a, "torch.float8_e4m3fn"
+
+        def view(self, dtype):
+            assert dtype == "torch.uint8"
+            return self.a.view(np.uint8)
+
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(uint8="torch.uint8"))
+    rng = np.random.default_rng(4)
+    x, (q13, s13, q2, s2), ids, weights = fp8_problem(rng, 5, 128, 4, 64, 2, "block")
+    want = cupymoe.fused_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2)
+    got = cupymoe.fused_experts(x, Tensor(q13), Tensor(q2), ids, weights, w13_scale=s13, w2_scale=s2)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
 def test_uint8_bits_are_the_same_weights():
