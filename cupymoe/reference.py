@@ -89,12 +89,12 @@ def expert_outputs(x, w13, w2, top_k, offsets, sorted_slots, options: ExpertOpti
     experts, two_i, _ = w13.shape
     inter = two_i // 2
     y = np.empty((sorted_slots.size, x.shape[1]), x.dtype)
+    weight_only = scales is not None and scales.weight_only
     for e in range(experts):
         slots = sorted_slots[offsets[e]:offsets[e + 1]]
         if slots.size == 0:
             continue
         xs = x[slots // top_k].astype(np.float32)
-        weight_only = scales is not None and scales.weight_only
         gate_up = _projection(xs, w13, None if scales is None else scales.w13, e, weight_only)
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
         if options.weight_on_input:
