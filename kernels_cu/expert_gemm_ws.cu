@@ -69,7 +69,14 @@ struct ConsumerTile {
   struct WeightScales {
     float w[2][2];
   };
-
+  // FP8: where a tile's weight scales are, for this thread. A persistent tile's m64 block lies in one
+  // 128-row scale block (its n-tiles divide H and I, multiples of 128), so SCALE_BLOCK keeps a
+  // pointer to each block's K-tile scales; SCALE_CHANNEL the rows' scales, the same in every K-tile.
+  struct TileWeightScales {
+    const float* block[2];
+    float channel[2][2];
+  };
+  static_assert(BLOCK_ROWS <= FP8_BLOCK && FP8_BLOCK % BLOCK_ROWS == 0, "an m64 block in one scale block");
   // One stage's MMAs over its `k_tiles` K-tiles (KG or, at the end of an odd K, fewer). Only the
   // tile's first `passes` groups of STAGED_SLOTS slots hold rows: N covers just those.
   __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer, bool accumulate, int passes, int k_tiles) {
@@ -94,22 +101,38 @@ struct ConsumerTile {
       for (int v = 0; v < SLOTS / 2; ++v) total[b][v] = 0.0f;
   }
 
-  // FP8: K-tile kt's weight scales, from ``scales.w`` (of the tile's expert, SCALE_BLOCK or SCALE_CHANNEL).
-  __device__ __forceinline__ WeightScales weight_scales(const Fp8Scales& scales, const Tile& tile, int consumer,
-                                                        int n_out, int k_tiles, int kt) const {
+  // FP8: the tile's weight scales of this thread's rows, from ``scales.w`` (of the tile's expert,
+  // SCALE_BLOCK or SCALE_CHANNEL).
+  __device__ __forceinline__ TileWeightScales tile_weight_scales(const Fp8Scales& scales, const Tile& tile,
+                                                                 int consumer, int n_out, int k_tiles) const {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-    WeightScales s;
     const int w_rows = GATED ? 2 * n_out : n_out;
     const int first = tile.n0 + consumer * COLUMNS + 16 * warp + (lane >> 2);  // weight row of block 0's row 0
+    TileWeightScales s;
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
+    for (int b = 0; b < 2; ++b) {
+      const int row = first + (GATED ? b * n_out : BLOCK_ROWS * b);
+      if constexpr (FP8 == SCALE_BLOCK) {
+        s.block[b] = scales.w + ((long long)tile.expert * (w_rows / FP8_BLOCK) + row / FP8_BLOCK) * k_tiles;
+      } else {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = first + (GATED ? b * n_out : BLOCK_ROWS * b) + 8 * half;
-        s.w[b][half] = FP8 == SCALE_BLOCK
-                           ? scales.w[((long long)tile.expert * (w_rows / FP8_BLOCK) + row / FP8_BLOCK) * k_tiles + kt]
-                           : scales.w[(long long)tile.expert * w_rows + row];
+        for (int half = 0; half < 2; ++half) s.channel[b][half] = scales.w[(long long)tile.expert * w_rows + row + 8 * half];
       }
+    }
+    return s;
+  }
+
+  // FP8: K-tile kt's weight scales of this thread's rows.
+  __device__ __forceinline__ WeightScales weight_scales(const TileWeightScales& tile_scales, int kt) const {
+    WeightScales s;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      if constexpr (FP8 == SCALE_BLOCK) {  // down's two blocks share a scale block
+        s.w[b][0] = s.w[b][1] = (GATED || b == 0) ? __ldg(tile_scales.block[b] + kt) : s.w[0][0];
+      } else {
+        s.w[b][0] = tile_scales.channel[b][0], s.w[b][1] = tile_scales.channel[b][1];
+      }
+    }
     return s;
   }
 
@@ -180,10 +203,12 @@ struct ConsumerTile {
   }
 
  private:
-  // The MMAs at N = P * STAGED_SLOTS for the first P that covers ``passes``.
+  // The MMAs at N = P * STAGED_SLOTS for the first P that covers ``passes``; FP8's at N = SLOTS,
+  // since with the totals beside the sums a run-time N leaves ptxas too few registers for the wgmma
+  // pipeline and it serialises the MMAs (C7511).
   template <int P>
   __device__ __forceinline__ void mma_passes(u32 w0, u32 w1, u32 s_a, bool accumulate, int passes) {
-    if constexpr (P * STAGED_SLOTS >= SLOTS) {
+    if constexpr (P * STAGED_SLOTS >= SLOTS || SCALED) {
       mma_n<SLOTS>(w0, w1, s_a, accumulate);
     } else {
       if (passes <= P) mma_n<P * STAGED_SLOTS>(w0, w1, s_a, accumulate);
@@ -193,13 +218,13 @@ struct ConsumerTile {
 
   template <int N>
   __device__ __forceinline__ void mma_n(u32 w0, u32 w1, u32 s_a, bool accumulate) {
+    const u64 slots = wgmma_desc(s_a), block0 = wgmma_desc(w0), block1 = wgmma_desc(w1);
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-      const u64 slots = wgmma_desc(s_a + kk * 32);
-      Wgmma<Operand, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[0]), wgmma_desc(w0 + kk * 32), slots,
-                             accumulate || kk > 0);
-      Wgmma<Operand, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[1]), wgmma_desc(w1 + kk * 32), slots,
-                             accumulate || kk > 0);
+      Wgmma<Operand, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[0]), wgmma_desc_offset(block0, kk * 32),
+                             wgmma_desc_offset(slots, kk * 32), accumulate || kk > 0);
+      Wgmma<Operand, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[1]), wgmma_desc_offset(block1, kk * 32),
+                             wgmma_desc_offset(slots, kk * 32), accumulate || kk > 0);
     }
   }
 
@@ -366,7 +391,11 @@ __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, 
     if (tile.rows < 0) break;
     const int passes = (tile.rows + STAGED_SLOTS - 1) / STAGED_SLOTS;  // of the MMA's N and the epilogue
     int previous = -1;
-    if constexpr (Consumer::SCALED) tile_acc.clear_totals();
+    typename Consumer::TileWeightScales tile_scales;
+    if constexpr (Consumer::SCALED) {
+      tile_acc.clear_totals();
+      tile_scales = tile_acc.tile_weight_scales(scales, tile, consumer, n_out, k_tiles);
+    }
     for (int step = 0; step < k_steps; ++step) {
       if (step > 0) mbarrier_wait(full + MBARRIER_BYTES * stage, phase);
       fence_proxy_async();  // the producer's cp.async writes, seen by wgmma's async proxy
@@ -376,7 +405,7 @@ __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, 
       wgmma_commit();
       typename Consumer::WeightScales w_scales;
       if constexpr (Consumer::SCALED)  // loaded while the MMAs run
-        w_scales = tile_acc.weight_scales(scales, tile, consumer, n_out, k_tiles, step);
+        w_scales = tile_acc.weight_scales(tile_scales, step);
       // The previous stage's MMAs have retired (RETIRE_OWN: this stage's), so it can be refilled.
       if constexpr (RETIRE_OWN) wgmma_wait<0>(); else wgmma_wait<1>();
       if constexpr (Consumer::SCALED) {
@@ -438,7 +467,10 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   }
   warpgroup_registers_inc<CONSUMER_REGISTERS>();
   const float* slot_scales = reinterpret_cast<const float*>(smem + (s_scale - smem_addr(smem)));
-  consume<T, SLOTS, STAGES, KG, GATED, ACT, EPILOGUE, FP8>((threadIdx.x >> 7) - 1, k_tiles, k_steps, c, n_out, s_a,
+  // Lane 0's consumer index, which ptxas then knows to be warp-uniform: the MMAs' shared addresses
+  // stay in uniform registers.
+  const int consumer = __shfl_sync(~0u, (threadIdx.x >> 7) - 1, 0);
+  consume<T, SLOTS, STAGES, KG, GATED, ACT, EPILOGUE, FP8>(consumer, k_tiles, k_steps, c, n_out, s_a,
                                                            s_b, slot_scales, full, empty, stage_tile, staging,
                                                            epilogue, scales, sorted_slots);
 #else

@@ -11,6 +11,10 @@ __device__ __forceinline__ u64 wgmma_desc(u32 addr) {
          | (u64(1) << 62);           // 128-byte swizzle
 }
 
+// The descriptor of the tile `bytes` (a multiple of 16) further in: shared addresses stay below
+// 256 KiB, so the 14-bit start address field does not carry.
+__device__ __forceinline__ u64 wgmma_desc_offset(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wgmma_wait() {

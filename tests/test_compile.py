@@ -108,6 +108,16 @@ def test_compiles_without_spills(source, names, arch):
         assert all(int(b) <= plans.STATIC_SHARED_BYTES for b in re.findall(r"(\d+) bytes smem", report)), report
 
 
+@pytest.mark.parametrize("names", [names for _, names in FP8_PERSISTENT_MODULES], ids=lambda v: v[0])
+def test_fp8_persistent_wgmma_groups_stay_whole(names):
+    # ptxas's C7511 (MMAs serialised: too few registers), C7519 (a group split by an injected
+    # arrive) and C7520 (serialised by one): each K-tile's MMAs must stay in flight together.
+    if "sm_90" not in NVRTC_ARCHS:
+        pytest.skip("this NVRTC does not compile for sm_90a")
+    report = _compile.ptxas_report(PERSISTENT_SOURCE, names, "sm_90a")
+    assert not re.findall(r"\((C75\d\d)\)", report), report
+
+
 def test_arch_options_take_sm90a_on_hopper_and_refuse_old_gpus():
     assert _compile.arch_option(90) == "-arch=sm_90a"
     assert _compile.arch_option(80) == "-arch=sm_80"
