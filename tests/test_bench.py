@@ -152,6 +152,18 @@ def test_the_table_shows_share_speedup_and_failures():
     assert "FAILED" not in suite.progress_line(1, 3, rows[0], 1.0)
 
 
+def test_an_eager_only_peer_is_compared_eager_with_eager():
+    rows = [row("u1", 0.5, 1.0, peer_rel_err=4e-3)]
+    rows[0]["peer_ms_eager"] = 3.3
+    result = {"device": "NVIDIA H200", "headline": "ms_graph", "read_bw_TBps": 4.5, "matmul_TFLOPs": 780.0,
+              "peer": "torch", "cases": rows, "sol_mean_ms": 0.5, "mean_ms": 1.0, "sol_efficiency": 0.5,
+              "peer_headline": "ms_eager", "peer_mean_ms": 3.3, "peer_sol_efficiency": 0.5 / 3.3, "peak_mem_MiB": 1.0}
+    lines = suite.format_table(result).splitlines()
+    assert "| peer eager ms | speedup (peer/cupymoe, eager) |" in lines[1]
+    assert lines[3] == "| u1 | 1 | 8 | 0.500 | 1.000 | 50% | 1.100 | 3.300 | 3.00 | 1.0 | 3.0e-03 |"
+    assert "peer (eager) mean 3.300 ms" in lines[-1]
+
+
 def test_command_line_defaults_and_errors(capsys):
     args, model, chosen = suite.parse_args(["--only", "u1,z64"])
     assert (args.reps, args.no_peer, args.no_graph, args.weights) == (25, False, False, "bf16")

@@ -7,7 +7,8 @@ CUDA-graph replays are timed: before each rep the L2 cache is flushed by writing
 device is synchronised, CUDA events bracket one call, and the median over the reps (after a
 warm-up) is reported. The speed of light (SOL) of a case comes from two ceilings measured in the
 same run: streaming-read bandwidth and the bf16 matmul rate. When torch is importable, the torch
-``grouped_mm`` pipeline runs on the same inputs as a peer. The suite prints one table and writes
+``grouped_mm`` pipeline runs on the same inputs as a peer (``--weights fp8``: torch ``scaled_mm``
+per expert with the block scales, eager only). The suite prints one table and writes
 ``suite-<device>.json`` and ``suite-<device>.png``.
 
 The library never imports this package. :mod:`.cases` needs only NumPy, so tests reuse it.

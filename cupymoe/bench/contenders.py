@@ -1,12 +1,14 @@
 """The contenders of a case, each checked against a float32 reference before it is timed: cupymoe
 (an ``MoE`` layer, eager and CUDA graph) and, where torch is importable, the torch ``grouped_mm``
-pipeline (benchmarks/PERF.md, "Peers"), on the same inputs shared zero-copy through DLPack."""
+pipeline (benchmarks/PERF.md, "Peers"; with FP8 weights, per-expert ``scaled_mm``), on the same
+inputs shared zero-copy through DLPack."""
 from __future__ import annotations
 
 import functools
 
 import numpy as np
 
+from .._contract import E4M3_MAX, FP8_AMAX_FLOOR, FP8_BLOCK
 from .measure import time_call
 
 BF16_NAN_BITS = 0x7FC0  # outputs are poisoned with this before every checked run
@@ -114,6 +116,20 @@ def bench_cupymoe(weights, inputs, ref, stream, flush, reps, graph) -> dict:
     return {"peak_mem_MiB": peak, **result}
 
 
+def load_torch_fp8_peer():
+    """``torch`` for the FP8 peer (``torch.nn.functional.scaled_mm`` with block scales), or None
+    after printing why it is skipped."""
+    peer = load_torch_peer()
+    if peer is None:
+        return None
+    torch = peer[0]
+    functional = torch.nn.functional
+    if not all(hasattr(functional, name) for name in ("scaled_mm", "ScalingType", "SwizzleType")):
+        print(f"FP8 peer skipped: torch {torch.__version__} has no nn.functional.scaled_mm", flush=True)
+        return None
+    return torch
+
+
 def load_torch_peer():
     """``(torch, grouped_mm, label)`` for the peer, or None after printing why it is skipped.
 
@@ -142,6 +158,8 @@ class TorchGroupedMM:
     Its work runs on ``stream`` (a CuPy stream, wrapped as a torch ExternalStream) so the
     same CUDA events time it.
     """
+
+    graphs = True  # timed as CUDA graph replays too
 
     def __init__(self, torch, grouped_mm, name, w13, w2, stream):
         self.torch = torch
@@ -185,4 +203,78 @@ class TorchGroupedMM:
 
         with torch.cuda.stream(self.stream):
             result = check_and_time(eager, capture if graph else None, ref, stream, flush, reps, tolerance)
+        return {f"peer_{key}": value for key, value in result.items()}
+
+
+class TorchScaledMM:
+    """The FP8 peer: per expert, torch ``nn.functional.scaled_mm`` (cuBLASLt) with the suite's
+    block-scaled weights (128 x 128) and activations quantized per token and 128-channel group
+    (1 x 128), as cupymoe's w8a8: gate/up, silu * up rounded to bf16 and quantized, down, a weighted
+    index_add_. The expert groups' sizes come to the host, so it runs eager only (no CUDA graph)."""
+
+    graphs = False
+    ROW_ALIGN = 16
+
+    def __init__(self, torch, q13, s13, q2, s2, stream):
+        self.torch = torch
+        self.name = f"torch {torch.__version__} nn.functional.scaled_mm per expert (block scales, eager)"
+        as_e4m3 = lambda q: torch.from_dlpack(q).view(torch.float8_e4m3fn)
+        self.q13, self.q2 = as_e4m3(q13), as_e4m3(q2)
+        # scaled_mm takes B as [K, N] and its 128 x 128 scales as [K / 128, N / 128], K-major
+        self.s13, self.s2 = (torch.from_dlpack(s).transpose(1, 2) for s in (s13, s2))
+        self.stream = torch.cuda.ExternalStream(stream.ptr)
+
+    def _quantized(self, a):
+        """e4m3 [n, C] and float32 scales [n, C / 128] of ``a`` [n, C] (group amax / 448)."""
+        torch = self.torch
+        groups = a.float().view(a.shape[0], -1, FP8_BLOCK)
+        scale = groups.abs().amax(-1).clamp(min=FP8_AMAX_FLOOR) / E4M3_MAX
+        return (groups / scale[..., None]).to(torch.float8_e4m3fn).view(a.shape), scale
+
+    def _matmul(self, q, scale, w, w_scale):
+        """[m, N] bf16: q [m, K] e4m3 with its 1 x 128 scales times w [N, K] with its 128 x 128 ones.
+        cuBLASLt takes the rows in multiples of ROW_ALIGN (zero rows added, cut off after) and A's
+        scales column-major."""
+        torch = self.torch
+        functional = torch.nn.functional
+        kinds, swizzle = functional.ScalingType, functional.SwizzleType.NO_SWIZZLE
+        rows = q.shape[0]
+        padded = -(-rows // self.ROW_ALIGN) * self.ROW_ALIGN
+        a = torch.zeros((padded, q.shape[1]), dtype=torch.uint8, device=q.device)
+        a[:rows] = q.view(torch.uint8)
+        a_scale = torch.ones((padded, scale.shape[1]), dtype=torch.float32, device=q.device)
+        a_scale[:rows] = scale
+        a_scale = torch.empty_strided(a_scale.shape, (1, padded), dtype=torch.float32, device=q.device).copy_(a_scale)
+        out = functional.scaled_mm(a.view(torch.float8_e4m3fn), w.t(), a_scale, kinds.BlockWise1x128, w_scale,
+                                   kinds.BlockWise128x128, swizzle_a=swizzle, swizzle_b=swizzle,
+                                   output_dtype=torch.bfloat16)
+        return out[:rows]
+
+    def forward(self, x, topk_ids, topk_weights):
+        torch = self.torch
+        experts, two_i, _ = self.q13.shape
+        flat = topk_ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=experts).tolist()
+        rows = order // topk_ids.shape[1]
+        xq, x_scale = self._quantized(x.index_select(0, rows))
+        down = torch.empty((rows.shape[0], x.shape[1]), dtype=torch.bfloat16, device=x.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                part = slice(start, start + count)
+                gate_up = self._matmul(xq[part], x_scale[part], self.q13[e], self.s13[e])
+                h = (torch.nn.functional.silu(gate_up[:, : two_i // 2].float()) * gate_up[:, two_i // 2:].float())
+                hq, h_scale = self._quantized(h.to(torch.bfloat16))
+                down[part] = self._matmul(hq, h_scale, self.q2[e], self.s2[e])
+                start += count
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        out.index_add_(0, rows, down.float() * topk_weights.reshape(-1)[order].unsqueeze(1))
+        return out.to(x.dtype)
+
+    def bench(self, inputs, ref, stream, flush, reps, graph, tolerance) -> dict:
+        """:func:`check_and_time` on one case's CuPy inputs, eager only; keys prefixed ``peer_``."""
+        args = tuple(self.torch.from_dlpack(a) for a in inputs)
+        with self.torch.cuda.stream(self.stream):
+            result = check_and_time(lambda: self.forward(*args), None, ref, stream, flush, reps, tolerance)
         return {f"peer_{key}": value for key, value in result.items()}

@@ -14,7 +14,8 @@ import numpy as np
 
 from .._compile import gpu_available
 from .cases import DEFAULT_CASES, active_experts, load_suite, make_case_inputs, select_cases, sol_ms
-from .contenders import TorchGroupedMM, bench_cupymoe, load_torch_peer, reference_output
+from .contenders import (TorchGroupedMM, TorchScaledMM, bench_cupymoe, load_torch_fp8_peer, load_torch_peer,
+                          reference_output)
 from .measure import FLUSH_BYTES, SuiteWeights, fp8_matmul_rate, matmul_rate, read_bandwidth
 
 DEFAULT_OUT = Path("benchmarks") / "results"
@@ -107,12 +108,13 @@ def run_suite(model, cases, args) -> dict:
               + (f", fp8 matmul {_fmt(fp8_rate and fp8_rate / 1e12, '.0f', 'not measured')} TFLOP/s"
                  if args.weights == "fp8" else "") + f"; drawing the {args.weights} expert weights ...", flush=True)
         weights = SuiteWeights(model, args.weights)
-        torch_peer = None
+        peer = None
         if args.weights == "fp8" and not args.no_peer:
-            print("peer skipped: no FP8 peer yet (the torch grouped_mm peer runs bf16)", flush=True)
+            torch = load_torch_fp8_peer()
+            peer = TorchScaledMM(torch, *weights.fp8, stream) if torch else None
         elif not args.no_peer:
             torch_peer = load_torch_peer()
-        peer = TorchGroupedMM(*torch_peer, *weights.bf16, stream) if torch_peer else None
+            peer = TorchGroupedMM(*torch_peer, *weights.bf16, stream) if torch_peer else None
         rows = []
         for n, case in enumerate(cases, 1):
             started = time.perf_counter()
@@ -120,7 +122,8 @@ def run_suite(model, cases, args) -> dict:
             print(progress_line(n, len(cases), rows[-1], time.perf_counter() - started), flush=True)
     headline = "ms_eager" if args.no_graph else "ms_graph"
     mean_ms, efficiency = suite_figures(rows, headline)
-    peer_mean_ms, peer_efficiency = suite_figures(rows, f"peer_{headline}") if peer else (None, None)
+    peer_headline = headline if peer is None or peer.graphs else "ms_eager"  # the peer's own best mode
+    peer_mean_ms, peer_efficiency = suite_figures(rows, f"peer_{peer_headline}") if peer else (None, None)
     return {
         "device": device,
         "cases_file": str(args.cases),
@@ -138,6 +141,7 @@ def run_suite(model, cases, args) -> dict:
         "sol_mean_ms": float(np.mean([row["sol_ms"] for row in rows])),
         "mean_ms": mean_ms,
         "sol_efficiency": efficiency,
+        "peer_headline": peer_headline,
         "peer_mean_ms": peer_mean_ms,
         "peer_sol_efficiency": peer_efficiency,
         "peak_mem_MiB": max(row["peak_mem_MiB"] for row in rows),
@@ -148,6 +152,8 @@ def format_table(result) -> str:
     """The results as a Markdown table with the suite figures below it."""
     key = result["headline"]
     kind = "graph" if key == "ms_graph" else "eager"
+    peer_key = result.get("peer_headline", key)  # an eager-only peer is compared eager with eager
+    peer_kind = "graph" if peer_key == "ms_graph" else "eager"
     weights = result.get("weights", "bf16")
     lines = [
         f"{result['device']}, {weights} weights: read {result['read_bw_TBps']:.2f} TB/s, bf16 matmul "
@@ -155,25 +161,25 @@ def format_table(result) -> str:
         + (f", SOL at {result['sol_matmul_TFLOPs']:.0f} TFLOP/s" if weights != "bf16" else "")
         + f"; peer: {result['peer'] or 'none'}",
         "| case | T | active experts | SOL ms | cupymoe graph ms | %SOL | cupymoe eager ms "
-        "| peer graph ms | speedup (peer/cupymoe) | peak mem MiB | rel err |",
+        f"| peer {peer_kind} ms | speedup (peer/cupymoe, {peer_kind}) | peak mem MiB | rel err |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["cases"]:
-        ms, peer_ms = row[key], row[f"peer_{key}"]
+        ms, peer_ms = row[key], row[f"peer_{peer_key}"]
         share = row["sol_ms"] / ms if ms else None
-        speedup = peer_ms / ms if ms and peer_ms else None
+        speedup = peer_ms / row[peer_key] if row[peer_key] and peer_ms else None
         missing = "-" if row["passed"] else "FAIL"
         peer_missing = "FAIL" if row["peer_passed"] is False else "-"
         lines.append(
             f"| {row['id']} | {row['T']} | {row['active_experts']} | {row['sol_ms']:.3f} "
             f"| {_fmt(row['ms_graph'], '.3f', missing)} | {_fmt(share, '.0%')} "
-            f"| {_fmt(row['ms_eager'], '.3f', missing)} | {_fmt(row['peer_ms_graph'], '.3f', peer_missing)} "
+            f"| {_fmt(row['ms_eager'], '.3f', missing)} | {_fmt(peer_ms, '.3f', peer_missing)} "
             f"| {_fmt(speedup, '.2f')} | {row['peak_mem_MiB']:.1f} | {row['rel_err']:.1e} |"
         )
     lines.append(
         f"suite ({kind}): SOL mean {result['sol_mean_ms']:.3f} ms | cupymoe mean "
         f"{_fmt(result['mean_ms'], '.3f')} ms, sum(sol)/sum(ms) {_fmt(result['sol_efficiency'], '.1%')} "
-        f"| peer mean {_fmt(result['peer_mean_ms'], '.3f')} ms, sum(sol)/sum(ms) "
+        f"| peer ({peer_kind}) mean {_fmt(result['peer_mean_ms'], '.3f')} ms, sum(sol)/sum(ms) "
         f"{_fmt(result['peer_sol_efficiency'], '.1%')} | peak mem {result['peak_mem_MiB']:.1f} MiB"
     )
     return "\n".join(lines)
@@ -193,8 +199,10 @@ def plot(result, path) -> bool:
     import matplotlib.pyplot as plt
 
     key = result["headline"]
+    peer_key = result.get("peer_headline", key)
+    peer_label = "peer" + ("" if peer_key == key else " (eager)")
     series = [("SOL", "sol_ms", "black", "--"), ("cupymoe", key, "C0", "-o"),
-              ("torch grouped_mm", f"peer_{key}", "C1", "-s")]
+              (peer_label, f"peer_{peer_key}", "C1", "-s")]
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, column, color, line in series:
         for routing, fmt in (("uniform", line), ("zipf", "x")):
