@@ -116,16 +116,27 @@ def bench_cupymoe(weights, inputs, ref, stream, flush, reps, graph) -> dict:
     return {"peak_mem_MiB": peak, **result}
 
 
+def _cuda_torch():
+    """torch, if it imports and sees a CUDA device; else None after printing why the peer is skipped."""
+    try:
+        import torch
+    except ImportError:
+        print("peer skipped: torch is not importable", flush=True)
+        return None
+    if not torch.cuda.is_available():
+        print("peer skipped: torch sees no CUDA device", flush=True)
+        return None
+    return torch
+
+
 def load_torch_fp8_peer():
     """``torch`` for the FP8 peer (``torch.nn.functional.scaled_mm`` with block scales), or None
     after printing why it is skipped."""
-    peer = load_torch_peer()
-    if peer is None:
+    torch = _cuda_torch()
+    if torch is None:
         return None
-    torch = peer[0]
-    functional = torch.nn.functional
-    if not all(hasattr(functional, name) for name in ("scaled_mm", "ScalingType", "SwizzleType")):
-        print(f"FP8 peer skipped: torch {torch.__version__} has no nn.functional.scaled_mm", flush=True)
+    if not all(hasattr(torch.nn.functional, name) for name in ("scaled_mm", "ScalingType", "SwizzleType")):
+        print(f"peer skipped: torch {torch.__version__} has no nn.functional.scaled_mm", flush=True)
         return None
     return torch
 
@@ -135,13 +146,8 @@ def load_torch_peer():
 
     grouped_mm is ``torch.nn.functional.grouped_mm``, else ``torch._grouped_mm``.
     """
-    try:
-        import torch
-    except ImportError:
-        print("peer skipped: torch is not importable", flush=True)
-        return None
-    if not torch.cuda.is_available():
-        print("peer skipped: torch sees no CUDA device", flush=True)
+    torch = _cuda_torch()
+    if torch is None:
         return None
     for owner, name in ((torch.nn.functional, "nn.functional.grouped_mm"), (torch, "_grouped_mm")):
         grouped_mm = getattr(owner, name.rpartition(".")[2], None)
@@ -264,7 +270,7 @@ class TorchScaledMM:
             if count:
                 part = slice(start, start + count)
                 gate_up = self._matmul(xq[part], x_scale[part], self.q13[e], self.s13[e])
-                h = (torch.nn.functional.silu(gate_up[:, : two_i // 2].float()) * gate_up[:, two_i // 2:].float())
+                h = torch.nn.functional.silu(gate_up[:, : two_i // 2].float()) * gate_up[:, two_i // 2:].float()
                 hq, h_scale = self._quantized(h.to(torch.bfloat16))
                 down[part] = self._matmul(hq, h_scale, self.q2[e], self.s2[e])
                 start += count
