@@ -4,8 +4,8 @@ gate/up: h[p] = act(x[t] @ w13[e, :I].T, x[t] @ w13[e, I:].T) for each sorted sl
 down:    y[p] = h[p] @ w2[e].T; each with the epilogue of the forward's ExpertOptions (biases, the
 routing weight on the input; kernels_cu/epilogue.cuh). With the BY_SLOT plan both run in slot
 order without a dispatch. FP8 GEMMs take e4m3 x (or h) and weights, as 16-bit pairs, with their
-scales (cupymoe/fp8.py; _gpu_quantize quantizes x and h); weight-only ones 16-bit x (or h) and e4m3
-weights with theirs.
+scales (cupymoe/fp8.py; _gpu_quantize quantizes x, and h where the gate/up GEMM does not write it
+quantized: plans.GemmConfig.quantizes_h); weight-only ones 16-bit x (or h) and e4m3 weights with theirs.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from ._types import ExpertOptions, Shape
 # epilogue.cuh's EpilogueArgs, passed by value: the bias and the slots' routing weights (0: none).
 EPILOGUE_ARGS = np.dtype({"names": ["bias", "slot_weights"], "formats": [np.uint64, np.uint64],
                           "offsets": [0, 8], "itemsize": 16, "aligned": True})
-# expert_gemm.cu's Fp8Scales, passed by value: A's and the weights' scales (0: not FP8).
-FP8_SCALES = np.dtype({"names": ["a", "w"], "formats": [np.uint64, np.uint64], "offsets": [0, 8], "itemsize": 16,
+# expert_tiles.cuh's Fp8Scales, passed by value: A's and the weights' scales, and those of the
+# quantized h that a gate/up GEMM writes (0: not FP8, or h in 16 bits).
+FP8_SCALES = np.dtype({"names": ["a", "w", "h"], "formats": [np.uint64] * 3, "offsets": [0, 8, 16], "itemsize": 24,
                        "aligned": True})
 NO_SCALES = np.zeros(1, FP8_SCALES)[0]
 
@@ -50,15 +51,15 @@ def _epilogue_args(bias, slot_weights) -> np.void:
     return out[0]
 
 
-def _fp8(scales) -> tuple:
+def _fp8(scales, h_scale=None) -> tuple:
     """(FP8_SCALES, template argument, weight-only) of a GEMM: NOT_FP8 for None, else FP8 operands
     whose ``scales`` are (A's [rows, K / 128], or None for 16-bit A; the weights' in block or
-    channel layout)."""
+    channel layout), and ``h_scale`` the scales of the e4m3 h that a gate/up GEMM writes."""
     if scales is None:
         return NO_SCALES, NOT_FP8, False
     a_scale, w_scale = scales
     out = np.zeros(1, FP8_SCALES)
-    out[0] = (0 if a_scale is None else a_scale.data.ptr, w_scale.data.ptr)
+    out[0] = tuple(0 if a is None else a.data.ptr for a in (a_scale, w_scale, h_scale))
     return out[0], fp8.layout_of(w_scale.ndim).index, a_scale is None
 
 
@@ -67,13 +68,14 @@ def _pairs(a):
     return a.view(np.uint16) if a.dtype == np.uint8 else a
 
 
-def gate_up_gemm(x, w13, h, shape: Shape, options: ExpertOptions, topk_weights, scales=None) -> Gemm:
+def gate_up_gemm(x, w13, h, shape: Shape, options: ExpertOptions, topk_weights, scales=None, h_scale=None) -> Gemm:
     """``topk_weights`` [T, k] contiguous: read by slot when the weights go on the input. FP8: w13
     e4m3 (uint8) with ``scales`` (x's, w13's; see _fp8), x e4m3 too (K then counts byte pairs)
-    unless weight-only."""
+    unless weight-only; with ``h_scale`` [S, I / 128] (for a config that quantizes_h) h is its e4m3
+    bytes (uint8)."""
     args = _epilogue_args(options.w13_bias, topk_weights if options.weight_on_input else None)
     return Gemm(True, _pairs(x), _pairs(w13), h, shape.intermediate, _pairs(x).shape[1],
-                plans.Epilogue.of(options, True), args, *_fp8(scales))
+                plans.Epilogue.of(options, True), args, *_fp8(scales, h_scale))
 
 
 def down_gemm(h, w2, y, shape: Shape, options: ExpertOptions, scales=None) -> Gemm:

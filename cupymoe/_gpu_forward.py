@@ -1,6 +1,7 @@
 """The GPU forward: dispatch -> gate/up GEMM (SwiGLU) -> down GEMM -> combine, on the current stream;
-for a few slots, the GEMMs by slot without the dispatch. With FP8 weights (w8a8) x and h are
-quantized (_gpu_quantize) before the GEMMs that read them; weight-only FP8 GEMMs read them as they are."""
+for a few slots, the GEMMs by slot without the dispatch. With FP8 weights (w8a8) x is quantized
+(_gpu_quantize) before the gate/up GEMM, and h by the gate/up GEMM's epilogue (the persistent
+kernel) or apart; weight-only FP8 GEMMs read x and h as they are."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,8 +31,10 @@ class Workspace:
             else:
                 self.dispatch = _gpu_dispatch.DispatchBuffers(slots, shape.experts, self.plan)
                 self.slot_positions = self.dispatch.slot_positions
-            # The SwiGLU output and the down projection, in expert order (by slot: slot order).
-            self.h = cupy.empty((slots, shape.intermediate), shape.dtype)
+            # The SwiGLU output (None where the gate/up GEMM writes it quantized) and the down
+            # projection, in expert order (by slot: slot order).
+            self.gate_up_quantizes_h = self.plan.gate_up.quantizes_h(fp8_weights, weight_only)
+            self.h = None if self.gate_up_quantizes_h else cupy.empty((slots, shape.intermediate), shape.dtype)
             self.y = cupy.empty((slots, shape.hidden), shape.dtype)
             # w8a8: x and h quantized (e4m3 bits) with their scales, the GEMMs' inputs
             self.quantized = None
@@ -52,7 +55,7 @@ class Workspace:
         """Bytes of GPU memory held: h and y, and w8a8's quantized x and h (the dispatch's buffers add
         a few bytes per slot)."""
         quantized = sum(a.nbytes for pair in self.quantized or () for a in pair)
-        return self.h.nbytes + self.y.nbytes + quantized
+        return (0 if self.h is None else self.h.nbytes) + self.y.nbytes + quantized
 
 
 def forward(a: dict, shape: Shape, workspace: Workspace, out, check_ids: bool, options: ExpertOptions,
@@ -105,8 +108,8 @@ def kernel_scales(scales: WeightScales, shape_sizes: tuple) -> WeightScales:
 
 def _fp8_forward(x, ids, weights, a, shape: Shape, ws: Workspace, options: ExpertOptions,
                  scales: WeightScales) -> None:
-    """Dispatch, x quantized, gate/up, h quantized (its valid rows), down: the FP8 GEMMs into ws.y;
-    weight-only, dispatch, gate/up and down."""
+    """Dispatch, x quantized, gate/up (h quantized in its epilogue, or after it: its valid rows),
+    down: the FP8 GEMMs into ws.y; weight-only, dispatch, gate/up and down."""
     _gpu_dispatch.launch(ids, ws.dispatch)
     if scales.weight_only:
         gate_up = _gpu_experts.gate_up_gemm(x, a["w13"], ws.h, shape, options, weights, (None, scales.w13))
@@ -114,10 +117,20 @@ def _fp8_forward(x, ids, weights, a, shape: Shape, ws: Workspace, options: Exper
         down = _gpu_experts.down_gemm(ws.h, a["w2"], ws.y, shape, options, (None, scales.w2))
         _gpu_experts.run(down, ws.dispatch, shape, ws.plan)
         return
-    (x_q, x_scale), (h_q, h_scale) = ws.quantized
-    _gpu_quantize.run(x, x_q, x_scale)
-    gate_up = _gpu_experts.gate_up_gemm(x_q, a["w13"], ws.h, shape, options, weights, (x_scale, scales.w13))
-    _gpu_experts.run(gate_up, ws.dispatch, shape, ws.plan)
-    _gpu_quantize.run(ws.h, h_q, h_scale, ws.dispatch.offsets[shape.experts:])
+    h_q, h_scale = fp8_gate_up(x, weights, a["w13"], scales.w13, shape, ws, options)
     down = _gpu_experts.down_gemm(h_q, a["w2"], ws.y, shape, options, (h_scale, scales.w2))
     _gpu_experts.run(down, ws.dispatch, shape, ws.plan)
+
+
+def fp8_gate_up(x, weights, w13, w13_scale, shape: Shape, ws: Workspace, options: ExpertOptions) -> tuple:
+    """w8a8 after the dispatch: x quantized, the gate/up GEMM, h quantized (by its epilogue, or
+    after it: its valid rows). Returns h's e4m3 bytes and scales, the down GEMM's input."""
+    (x_q, x_scale), (h_q, h_scale) = ws.quantized
+    _gpu_quantize.run(x, x_q, x_scale)
+    fused = ws.gate_up_quantizes_h
+    gate_up = _gpu_experts.gate_up_gemm(x_q, w13, h_q if fused else ws.h, shape, options, weights,
+                                        (x_scale, w13_scale), h_scale if fused else None)
+    _gpu_experts.run(gate_up, ws.dispatch, shape, ws.plan)
+    if not fused:
+        _gpu_quantize.run(ws.h, h_q, h_scale, ws.dispatch.offsets[shape.experts:])
+    return h_q, h_scale

@@ -88,6 +88,11 @@ class GemmConfig:
         staging = 2 * STAGED_SLOTS * (self.block_n + 16)  # the epilogue's: each consumer's half of the columns
         return stages + scales + 1024 + barriers + staging
 
+    def quantizes_h(self, fp8: bool, weight_only: bool = False) -> bool:
+        """Whether this gate/up config writes h for an FP8 down GEMM already quantized (e4m3 bytes
+        and their scales, from the persistent kernel's epilogue); otherwise h is 16-bit."""
+        return fp8 and not weight_only and self.kernel == PERSISTENT
+
     def name_expression(self, dtype, gated: bool, id_type: str = "int", epilogue: Epilogue = PLAIN,
                         fp8: int = NOT_FP8, weight_only: bool = False) -> str:
         """The kernel's template instantiation; ``id_type`` (an ID_TYPES value) only for SLOT,

@@ -22,10 +22,13 @@
 // producer also copies the group's scale of each slot into the stage. A consumer's MMAs (m64nNk32
 // e4m3) sum each K-tile afresh; once they retire it frees the stage and adds the sums to its totals
 // times (slot scale * weight scale), as expert_gemm does. KG = 1 only: the totals double the
-// accumulator registers, which is also why FP8 tiles hold at most 64 slots.
+// accumulator registers, which is also why FP8 tiles hold at most 64 slots. The FP8 gate/up
+// epilogue writes h quantized for the down GEMM (quantize.cuh): a tile's 128 columns are one group
+// of h, the consumers' halves of it joined through shared memory.
 #include "epilogue.cuh"
 #include "expert_tiles.cuh"
 #include "mbarrier.cuh"
+#include "quantize.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -43,6 +46,7 @@ constexpr int MBARRIER_BYTES = 8;
 constexpr int SWIZZLE_ALIGN = 1024;  // the 128-byte swizzle repeats every 8 rows: stages start on it
 constexpr int PRODUCER_BARRIER = 1;        // named barrier of the producer's threads
 constexpr int FIRST_CONSUMER_BARRIER = 2;  // consumer c's epilogue uses named barrier 2 + c
+constexpr int CONSUMERS_BARRIER = FIRST_CONSUMER_BARRIER + CONSUMERS;  // both consumers' (FP8 gate/up's epilogue)
 
 // One consumer's share of a tile: accumulators, MMAs and epilogue (epilogue.cuh's, for ACT and
 // EPILOGUE).
@@ -52,6 +56,7 @@ template <class T> struct WgmmaOperand<true, T> { using type = e4m3; };
 template <class T, int SLOTS, int KG, bool GATED, int ACT = ACT_SILU, int EPILOGUE = 0, int FP8 = NOT_FP8>
 struct ConsumerTile {
   static constexpr bool SCALED = FP8 != NOT_FP8;
+  static constexpr bool QUANTIZED = SCALED && GATED;  // h leaves as e4m3 bytes with its scales
   using Operand = typename WgmmaOperand<SCALED, T>::type;
   static_assert(!SCALED || (KG == 1 && SLOTS <= 64), "FP8: stages of one K-tile, totals beside the sums");
   static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns per tile
@@ -61,6 +66,7 @@ struct ConsumerTile {
   static constexpr int SECOND_BLOCK = GATED ? BN : BLOCK_ROWS;
   static constexpr int PITCH = 2 * COLUMNS + 16;  // bytes per staged slot row; the 16 spreads the banks
   static constexpr int STAGING_BYTES = STAGED_SLOTS * PITCH;
+  static_assert(!QUANTIZED || BN == FP8_BLOCK, "a tile's columns are one quantization group of h");
   static_assert(SLOTS % STAGED_SLOTS == 0 && SLOTS <= 5 * STAGED_SLOTS, "whole passes, at most five");
   float acc[2][SLOTS / 2];  // m64nSLOTS, twice: weight rows r and r + 8 of 8-slot block i at 4i + {0, 1} and 4i + {2, 3}
   float total[SCALED ? 2 : 1][SCALED ? SLOTS / 2 : 1];  // FP8: the scaled sums of the K-tiles so far, as acc
@@ -155,9 +161,10 @@ struct ConsumerTile {
 
   // The accumulators' rows are output columns: stmatrix transposes them into this consumer's
   // staging rows, STAGED_SLOTS slots at a time, which its warpgroup writes out in 16-byte pieces.
-  // ``order``: the sorted slots (gate/up's row r of the tile is slot order[slot_base + r]).
+  // ``order``: the sorted slots (gate/up's row r of the tile is slot order[slot_base + r]);
+  // ``h_scales``: QUANTIZED's (Fp8Scales::h).
   __device__ __forceinline__ void store(u16* c, const Tile& tile, int consumer, int n_out, unsigned char* staging,
-                                        const EpilogueArgs& epilogue, const int* order) const {
+                                        const EpilogueArgs& epilogue, const int* order, float* h_scales) const {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, m = lane >> 3;
     // Matrix m of each stmatrix: (8-slot step, half) for gate/up, (block, half) for down.
     const int half = m & 1, step = GATED ? m >> 1 : 0, block = GATED ? 0 : m >> 1;
@@ -192,6 +199,12 @@ struct ConsumerTile {
         }
       }
       named_barrier_sync(barrier, WARPGROUP_THREADS);
+      if constexpr (QUANTIZED) {
+        store_quantized(reinterpret_cast<unsigned char*>(c), tile, consumer, n_out, staging, pass, h_scales);
+        // Both consumers' staging rows are free again (each read the other's amaxes).
+        named_barrier_sync(CONSUMERS_BARRIER, CONSUMERS * WARPGROUP_THREADS);
+        continue;
+      }
       for (int piece = threadIdx.x % WARPGROUP_THREADS; piece < STAGED_SLOTS * CHUNKS; piece += WARPGROUP_THREADS) {
         const int row = piece / CHUNKS, chunk = piece % CHUNKS, slot = pass * STAGED_SLOTS + row;
         if (slot < tile.rows)
@@ -228,18 +241,61 @@ struct ConsumerTile {
     }
   }
 
+  // QUANTIZED: pass ``pass``'s STAGED_SLOTS staged slots of this consumer's 64 columns of h as e4m3
+  // bytes into ``q`` [slots, n_out], and each slot's scale (consumer 0) into ``h_scales``. A slot's
+  // eight 16-byte pieces are adjacent lanes' (CHUNKS of them); its amax over this consumer's
+  // columns goes to the spare bytes of its staging row, where the other consumer reads it.
+  __device__ __forceinline__ void store_quantized(unsigned char* q, const Tile& tile, int consumer, int n_out,
+                                                  unsigned char* staging, int pass, float* h_scales) const {
+    constexpr int CHUNKS = COLUMNS / 8;
+    constexpr int PIECES = STAGED_SLOTS * CHUNKS / WARPGROUP_THREADS;  // per thread
+    static_assert(PIECES * WARPGROUP_THREADS == STAGED_SLOTS * CHUNKS && CHUNKS == 8, "whole slots in 8 lanes");
+    static_assert(PITCH - 2 * COLUMNS >= 4, "a staging row's spare bytes hold its amax");
+    const int thread = threadIdx.x % WARPGROUP_THREADS;
+    uint4 bits[PIECES];
+#pragma unroll
+    for (int p = 0; p < PIECES; ++p) {
+      const int piece = thread + p * WARPGROUP_THREADS, row = piece / CHUNKS;
+      bits[p] = *reinterpret_cast<const uint4*>(staging + row * PITCH + 16 * (piece % CHUNKS));
+      float amax = 0.0f;
+      const u32 words[4] = {bits[p].x, bits[p].y, bits[p].z, bits[p].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+        amax = amax_keeping_nan(amax_keeping_nan(amax, fabsf(unpacked(words[w], 0))), fabsf(unpacked(words[w], 1)));
+#pragma unroll
+      for (int offset = 1; offset < CHUNKS; offset <<= 1) amax = amax_keeping_nan(amax, __shfl_xor_sync(~0u, amax, offset));
+      if (piece % CHUNKS == 0) *reinterpret_cast<float*>(staging + row * PITCH + 2 * COLUMNS) = amax;
+    }
+    named_barrier_sync(CONSUMERS_BARRIER, CONSUMERS * WARPGROUP_THREADS);
+    const unsigned char* other = consumer == 0 ? staging + STAGING_BYTES : staging - STAGING_BYTES;
+#pragma unroll
+    for (int p = 0; p < PIECES; ++p) {
+      const int piece = thread + p * WARPGROUP_THREADS, row = piece / CHUNKS, chunk = piece % CHUNKS;
+      const int slot = pass * STAGED_SLOTS + row;
+      const float scale = group_scale(amax_keeping_nan(*reinterpret_cast<const float*>(staging + row * PITCH + 2 * COLUMNS),
+                                                       *reinterpret_cast<const float*>(other + row * PITCH + 2 * COLUMNS)));
+      if (slot >= tile.rows) continue;
+      const float lo[4] = {unpacked(bits[p].x, 0), unpacked(bits[p].x, 1), unpacked(bits[p].y, 0), unpacked(bits[p].y, 1)};
+      const float hi[4] = {unpacked(bits[p].z, 0), unpacked(bits[p].z, 1), unpacked(bits[p].w, 0), unpacked(bits[p].w, 1)};
+      const long long row_of_h = tile.slot_base + slot;
+      *reinterpret_cast<uint2*>(q + row_of_h * n_out + tile.n0 + consumer * COLUMNS + 8 * chunk) =
+          make_uint2(e4m3x4(lo, scale), e4m3x4(hi, scale));
+      if (consumer == 0 && chunk == 0) h_scales[row_of_h * (n_out / FP8_BLOCK) + tile.n0 / FP8_BLOCK] = scale;
+    }
+  }
+
   // Entry v of block b's sums: the accumulators, or FP8's totals.
   __device__ __forceinline__ float sum(int b, int v) const {
     if constexpr (SCALED) return total[b][v]; else return acc[b][v];
   }
-  // The bias of row r + 8 half from a pair of store()'s.
-  static __device__ __forceinline__ float bias_of(u32 pair, int half) {
+  // The value ``half`` (0 the low one) of a pair of T's: store()'s biases of rows r and r + 8, staged h.
+  static __device__ __forceinline__ float unpacked(u32 pair, int half) {
     return Float16Traits<T>::to_float(u16(half ? pair >> 16 : pair & 0xffffu));
   }
   // Slots 8i + 2 (lane % 4) + {0, 1} of weight row r + 8 half of an accumulator, with its bias, packed.
   __device__ __forceinline__ u32 pair(int block, int i, int half, const u32 (&bias)[2]) const {
     float v0 = sum(block, 4 * i + 2 * half), v1 = sum(block, 4 * i + 2 * half + 1);
-    if constexpr (EPILOGUE & EPILOGUE_BIAS) v0 += bias_of(bias[block], half), v1 += bias_of(bias[block], half);
+    if constexpr (EPILOGUE & EPILOGUE_BIAS) v0 += unpacked(bias[block], half), v1 += unpacked(bias[block], half);
     return Float16Traits<T>::pack(v0, v1);
   }
   // The same slots of gate/up row r + 8 half through the activation, their weights on the input.
@@ -248,7 +304,7 @@ struct ConsumerTile {
     float g0 = sum(0, v), g1 = sum(0, v + 1), u0 = sum(1, v), u1 = sum(1, v + 1);
     if constexpr (EPILOGUE & EPILOGUE_INPUT_WEIGHT) g0 *= weights.x, u0 *= weights.x, g1 *= weights.y, u1 *= weights.y;
     if constexpr (EPILOGUE & EPILOGUE_BIAS) {
-      const float gate = bias_of(bias[0], half), up = bias_of(bias[1], half);
+      const float gate = unpacked(bias[0], half), up = unpacked(bias[1], half);
       g0 += gate, g1 += gate, u0 += up, u1 += up;
     }
     return Float16Traits<T>::pack(activate<ACT>(g0, u0), activate<ACT>(g1, u1));
@@ -419,7 +475,8 @@ __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, 
     }
     wgmma_wait<0>();
     if (!RETIRE_OWN && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * previous);
-    tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES, epilogue, sorted_slots);
+    tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES, epilogue, sorted_slots,
+                   scales.h);
   }
 }
 

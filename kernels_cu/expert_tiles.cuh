@@ -20,6 +20,7 @@ constexpr int GROUP_M = 8;
 struct Fp8Scales {
   const float* a;  // [rows of A, K / FP8_BLOCK]: x's by token (gate/up), h's by row (down)
   const float* w;  // the weights': SCALE_BLOCK [E, W rows / FP8_BLOCK, K / FP8_BLOCK], SCALE_CHANNEL [E, W rows]
+  float* h;        // gate/up on expert_gemm_ws: h's scales [rows, N / FP8_BLOCK], written beside its e4m3 bytes in C
 };
 // A GEMM's FP8 template argument is NOT_FP8, or the layout of its weight scales, SCALE_BLOCK or
 // SCALE_CHANNEL (the host widens per-expert scales to channels).

@@ -1,18 +1,9 @@
-// FP8 activation quantization (cupymoe/fp8.py's numerics), for the FP8 expert GEMMs' inputs: each
-// row's groups of FP8_BLOCK columns as float8 e4m3 bytes q = e4m3(v / s), rounded to nearest even,
-// and one float32 scale s = max(amax, FP8_AMAX_FLOOR) / E4M3_MAX, NaN where the group holds a NaN.
-// One warp per (row, group), four columns per lane (a last group of 64 columns idles half the
-// warp). Rows from the row count on (``rows``, or *row_count when given: the dispatch's valid
-// slots, so that h's unwritten rows are not read) are skipped. Needs sm_89 (cvt to e4m3).
-#include "common.cuh"
-
-// (lo, hi) as two e4m3 bytes, lo in the low one; |value| <= E4M3_MAX here, so satfinite changes
-// nothing but keeps NaN a NaN.
-__device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
-  unsigned short r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-}
+// FP8 activation quantization (quantize.cuh's numerics), for the FP8 expert GEMMs' inputs that no
+// GEMM epilogue quantizes: x before gate/up, and h where the gate/up GEMM writes it in 16 bits.
+// One warp per (row, group of FP8_BLOCK columns), four columns per lane (a last group of 64
+// columns idles half the warp). Rows from the row count on (``rows``, or *row_count when given:
+// the dispatch's valid slots, so that h's unwritten rows are not read) are skipped.
+#include "quantize.cuh"
 
 template <class T>
 __global__ void __launch_bounds__(QUANTIZE_THREADS)
@@ -35,15 +26,11 @@ quantize_groups(const u16* __restrict__ in, int rows, const int* __restrict__ ro
     v[3] = Float16Traits<T>::to_float(u16(bits.y >> 16));
   }
   float amax = 0.0f;
-  bool nan = false;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    amax = fmaxf(amax, fabsf(v[i]));  // fmaxf drops NaN: the flag keeps it
-    nan |= v[i] != v[i];
-  }
+  for (int i = 0; i < 4; ++i) amax = amax_keeping_nan(amax, fabsf(v[i]));
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, offset));
-  const float scale = __any_sync(~0u, nan) ? __int_as_float(0x7fc00000) : fmaxf(amax, FP8_AMAX_FLOOR) / E4M3_MAX;
+  for (int offset = 16; offset > 0; offset >>= 1) amax = amax_keeping_nan(amax, __shfl_xor_sync(~0u, amax, offset));
+  const float scale = group_scale(amax);
   if (lane == 0) scales[row * groups + group] = scale;
-  if (in_row) q[(row * cols + col) / 4] = e4m3x2(v[0] / scale, v[1] / scale) | e4m3x2(v[2] / scale, v[3] / scale) << 16;
+  if (in_row) q[(row * cols + col) / 4] = e4m3x4(v, scale);
 }

@@ -285,7 +285,7 @@ def test_bad_fp8_arguments(make, error, match):
         cupymoe.MoE(w13, w2, **kwargs)
 
 
-# ---- GPU: the kernels (quantize.cu, expert_gemm.cu's FP8 instantiations) against the NumPy backend
+# ---- GPU: the kernels (quantize.cu, the FP8 GEMMs and the gate/up epilogue's quantization) against the NumPy backend
 
 
 def gpu_fp8(cupy, problem):
@@ -334,6 +334,55 @@ def test_quantize_kernel_stops_at_the_row_count():
     scale = cupy.zeros((10, 1), np.float32)
     _gpu_quantize.run(a, q, scale, cupy.array([4], np.int32))
     assert (q[:4].get() != 0).all() and (q[4:].get() == 0).all() and (scale[4:].get() == 0).all()
+
+
+@pytest.mark.gpu
+def test_gate_up_epilogue_quantizes_h_as_the_quantize_kernel():
+    """The persistent gate/up writes h quantized (its epilogue joins the two consumers' halves of a
+    128-column group): bit for bit quantize.cu's on the 16-bit h of an mma.sync plan. Integers up
+    to 7 with a 7 in every 128-group and 128 x 128 block quantize exactly (scale 1/64, q = 64 v), so
+    every product and K-tile sum is an exact fp32 integer and both GEMMs give h the same bits in any
+    order. 77 tokens: tiles short of a 32-slot pass and past it; a NaN token; a -1 id."""
+    import cupy
+    from cupymoe import _gpu_dispatch, _gpu_forward
+    from cupymoe._types import ExpertOptions, Shape, WeightScales
+
+    rng = np.random.default_rng(41)
+    tokens, hidden, experts, inter, top_k = 77, 256, 8, 256, 4
+    x = rng.integers(-7, 8, (tokens, hidden)).astype(np.float32)
+    x[:, ::128] = 7
+    x = x.astype(BF16)
+    x[3, 5] = np.nan
+    w13 = rng.integers(-7, 8, (experts, 2 * inter, hidden)).astype(np.float32)
+    w13[:, ::128, ::128] = 7
+    q13, s13 = fp8.quantize_weights(w13, "block")
+    assert (s13 == 1 / 64).all()
+    ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
+    ids[0, 1] = -1
+    weights = rng.random((tokens, top_k)).astype(np.float32)
+    x_d, ids_d, weights_d = cupy.asarray(x), cupy.asarray(ids), cupy.asarray(weights)
+    w13_d, s13_d = cupy.asarray(q13.view(np.uint8)), cupy.asarray(s13)
+    shape = Shape(tokens=tokens, hidden=hidden, experts=experts, intermediate=inter, top_k=top_k, dtype=x.dtype)
+    scales = WeightScales(s13_d, cupy.ones((experts, hidden), np.float32), False)
+    got = []
+    for plan, fused in ((plans.PERSISTENT_FP8, True), (plans.MEDIUM_32, False)):
+        with plans.forced(plan):
+            ws = _gpu_forward.Workspace(shape, 0, scales)
+        assert ws.gate_up_quantizes_h is fused
+        ws.quantized[1][0].fill(0x55)
+        ws.quantized[1][1].fill(np.nan)
+        _gpu_dispatch.launch(ids_d, ws.dispatch)
+        h_q, h_scale = _gpu_forward.fp8_gate_up(x_d, weights_d, w13_d, s13_d, shape, ws, ExpertOptions())
+        rows = int(ws.dispatch.offsets[experts])
+        got.append((h_q[:rows].get(), h_scale[:rows].get()))
+    (q, scale), (want_q, want_scale) = got
+    assert rows == tokens * top_k - 1
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(scale, want_scale)
+    nan_rows = np.isnan(scale).all(axis=1)
+    assert nan_rows.sum() == top_k and not np.isnan(scale[~nan_rows]).any()
+    # each group's largest value lands on the e4m3 maximum
+    assert (np.abs(q[~nan_rows].view(E4M3).astype(np.float32)).reshape(-1, 2, 128).max(axis=2) == 448).all()
 
 
 @pytest.mark.gpu
