@@ -174,20 +174,14 @@ PERSISTENT_64 = Plan(_persistent(64, True, 4, k_group=2), _persistent(64, False,
 PERSISTENT_96 = _persistent_plan(96, 4)
 PERSISTENT_160 = _persistent_plan(160, 4)
 PLANS = (BY_SLOT, TINY, SMALL, MEDIUM_32, MEDIUM, LARGE, PERSISTENT_64, PERSISTENT_96, PERSISTENT_160)
-# FP8 weights (w8a8, sm_89+): on sm_90 the persistent kernel's e4m3 wgmma at every T, since
-# mma.sync e4m3 (which ptxas widens to f16 HMMA there) sums to other last bits: 32-slot tiles up to
-# FP8_PERSISTENT_32_ROWS rows per expert (half the promotion work and three quarters of the shared
-# reads of a 64-slot stage), the 64-slot plan standing by for skewed routing; beyond, 64-slot tiles
-# (its totals beside the sums leave no registers for more). A wgmma column's sums do not depend on
-# N, so both give the same bits. FP8_PERSISTENT_32_ROWS is 0 (the 32-slot plan off) until it is
-# timed on a GPU: set it (e.g. 16) to take the narrow tiles for decode. Elsewhere TINY from the first slot (slot_gemm has no FP8 variant),
-# SMALL up to SMALL_ROWS, then MEDIUM_32: the fastest from T = 512 to 8192 on an H100 beside SMALL
-# and 64-row tiles.
+# FP8 weights (w8a8, sm_89+): on sm_90 the persistent kernel's e4m3 wgmma with 64-slot tiles (its
+# totals beside the sums leave no registers for more) at every T, since mma.sync e4m3 (which ptxas
+# widens to f16 HMMA there) sums to other last bits. Elsewhere TINY from the first slot (slot_gemm
+# has no FP8 variant), SMALL up to SMALL_ROWS, then MEDIUM_32: the fastest from T = 512 to 8192 on
+# an H100 beside SMALL and 64-row tiles.
 FP8_PERSISTENT_SLOTS = 64
 PERSISTENT_FP8 = _persistent_plan(FP8_PERSISTENT_SLOTS, 5)
-PERSISTENT_FP8_32 = Plan(_persistent(32, True, 6), _persistent(32, False, 5))
-FP8_PERSISTENT_32_ROWS = 0
-FP8_PLANS = (TINY, SMALL, MEDIUM_32, PERSISTENT_FP8_32, PERSISTENT_FP8)
+FP8_PLANS = (TINY, SMALL, MEDIUM_32, PERSISTENT_FP8)
 FP8_COMPUTE_CAPABILITY = 89
 # Weight-only FP8 (w8a16; e4m3 weights widened in registers, 16-bit MMAs), on every GPU: the mma.sync
 # FP8 plans by the same rows per expert.
@@ -298,8 +292,6 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
 
 def _fp8_plan(rows_per_expert: float, persistent: bool) -> Plan:
     if persistent:  # e4m3 wgmma sums differ in their last bits from mma.sync's: one kernel at every T, one set of bits
-        if rows_per_expert <= FP8_PERSISTENT_32_ROWS:
-            return replace(PERSISTENT_FP8_32, skewed=PERSISTENT_FP8)
         return PERSISTENT_FP8
     if rows_per_expert <= TINY_ROWS:
         return TINY

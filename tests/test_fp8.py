@@ -407,25 +407,6 @@ def test_gpu_against_the_numpy_backend(tokens, layout, plan):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_persistent_tiles_of_32_and_64_slots_give_the_same_bits(monkeypatch):
-    """Hopper's FP8 plans: a wgmma column sums alike at N = 32 and 64, so the narrow plan, the
-    64-slot one, and the narrow plan's skewed switch to it at run time (expert 0 holding 160 rows,
-    beyond 4 chunks of 32) all give the same bits."""
-    import cupy
-
-    rng = np.random.default_rng(32)
-    x, w13, w2, ids, weights = random_problem(rng, 160, 256, 64, 384, 4, BF16, "one")  # every token on expert 0
-    args = gpu_fp8(cupy, (x, (*fp8.quantize_weights(w13, "block"), *fp8.quantize_weights(w2, "block")), ids, weights))
-    monkeypatch.setattr(plans, "FP8_PERSISTENT_32_ROWS", 16)
-    chosen = plans.plan(160, 4, 64, 256, 384, plans.WGMMA_COMPUTE_CAPABILITY, 227 * 1024, fp8=True)
-    assert chosen.gate_up.block_m == 32 and chosen.skewed.gate_up.block_m == 64
-    default = host_bits(gpu_forward(cupy, args))
-    for plan in (plans.PERSISTENT_FP8_32, plans.PERSISTENT_FP8):
-        with plans.forced(plan):
-            assert np.array_equal(host_bits(gpu_forward(cupy, args)), default)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("routing", ["one", "sparse"])
 def test_gpu_skewed_routing_options_and_fp16(routing):
     import cupy

@@ -144,23 +144,16 @@ def test_skewed_plans_fit_and_are_precompiled(cc, hidden, inter, p):
         assert cfg.name_expression(_checks.BFLOAT16, gated) in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated)
 
 
-@pytest.mark.parametrize("narrow_rows", [0, 16])
 @pytest.mark.parametrize("cc", [89, 90, 100])
-def test_fp8_weights_take_their_plans_and_compiled_names(cc, narrow_rows, monkeypatch):
-    """FP8: mma.sync plans, and on sm_90 the persistent e4m3 plans at every T (where their tiles
-    divide H and I): 32-slot tiles up to FP8_PERSISTENT_32_ROWS rows per expert (0: never), the
-    64-slot plan standing by for skew; each config fits with the slots' scales in its stages and is
-    one of name_expressions(fp8=)."""
-    monkeypatch.setattr(plans, "FP8_PERSISTENT_32_ROWS", narrow_rows)
+def test_fp8_weights_take_their_plans_and_compiled_names(cc):
+    """FP8: mma.sync plans, and on sm_90 the persistent e4m3 plan at every T (where its tiles divide
+    H and I); each config fits with the slots' scales in its stages and is one of name_expressions(fp8=)."""
     seen = set()
     for tokens, (hidden, inter) in itertools.product((1, 3, 16, 64, 256, 512, 1024, 8192),
                                                     ((7168, 2048), (4096, 1024), (384, 640))):
         p = plans.plan(tokens, 8, 256, hidden, inter, cc, 227 * 1024, fp8=True)
+        assert p.skewed is None
         persistent = cc == plans.WGMMA_COMPUTE_CAPABILITY
-        narrow = persistent and tokens * 8 / 256 <= plans.FP8_PERSISTENT_32_ROWS
-        assert (p.skewed is not None) == (narrow and inter % 128 == 0), p
-        if p.skewed is not None:
-            assert p.skewed.gate_up == plans.PERSISTENT_FP8.gate_up
         for cfg, gated, n_out in ((p.gate_up, True, inter), (p.down, False, hidden)):
             divides = n_out % plans.PERSISTENT_FP8.gate_up.block_n == 0 if gated else n_out % 256 == 0
             assert (cfg.kernel == plans.PERSISTENT) == (persistent and divides)
@@ -170,8 +163,7 @@ def test_fp8_weights_take_their_plans_and_compiled_names(cc, narrow_rows, monkey
             assert name.endswith(",0>" if cfg.kernel == plans.PERSISTENT else ",0,false>") and name in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated, fp8=0)
         if (hidden, inter) == (7168, 2048):
             seen.add(p)
-    narrow = {dataclasses.replace(plans.PERSISTENT_FP8_32, skewed=plans.PERSISTENT_FP8)} if narrow_rows else set()
-    expected = narrow | {plans.PERSISTENT_FP8} if cc == 90 else {plans.TINY, plans.SMALL, plans.MEDIUM_32}
+    expected = {plans.PERSISTENT_FP8} if cc == 90 else {plans.TINY, plans.SMALL, plans.MEDIUM_32}
     assert seen == expected
     with plans.forced(plans.PERSISTENT_96), pytest.raises(ValueError, match="FP8 weights run their own plans"):
         plans.plan(64, 8, 256, 7168, 2048, cc, 227 * 1024, fp8=True)
