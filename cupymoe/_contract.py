@@ -18,11 +18,13 @@ DISPATCH_EXPERT_SCAN_WARPS = 8
 DISPATCH_FUSED_WARPS = 8
 # expert_gemm_ws.cu: the loading warpgroup's threads, the weight rows of one m64 wgmma block, the
 # rows of a TMA box of weights in stages of one K-tile (stages of two take one m64 block a box),
-# and the slots per pass of the epilogue.
+# the slots per pass of the epilogue, and (FP8 gate/up) the rows of gate, then of up, that alternate
+# in a stage's weight rows: an 8-column piece of the MMA's output.
 PRODUCER_THREADS = 128
 WGMMA_BLOCK_ROWS = 64
 TMA_BOX_ROWS = 128
 STAGED_SLOTS = 32
+GATE_UP_PAIR_ROWS = 8
 # A GEMM's m-tile map (kernels_cu/tile_map.cuh): int tiles[E + TILE_MAP_EXTRA]. tiles[e] for e < E is
 # the first m-tile of expert e; the fields after them, at E + the index below:
 TILE_MAP_TOTAL = 0  # every expert's m-tiles
@@ -65,6 +67,7 @@ DEFINES = {
     "WGMMA_BLOCK_ROWS": WGMMA_BLOCK_ROWS,
     "TMA_BOX_ROWS": TMA_BOX_ROWS,
     "STAGED_SLOTS": STAGED_SLOTS,
+    "GATE_UP_PAIR_ROWS": GATE_UP_PAIR_ROWS,
     "TILE_MAP_TOTAL": TILE_MAP_TOTAL,
     "TILE_MAP_COUNTER": TILE_MAP_COUNTER,
     "TILE_MAP_PLAN": TILE_MAP_PLAN,

@@ -121,7 +121,9 @@ def run(gemm: Gemm, dispatch, shape: Shape, chosen: plans.Plan) -> None:
         w = gemm.w
         if cfg.kernel == plans.PERSISTENT:
             grid = min(grid, _compile.multiprocessors(device_id))  # one block per SM claims tiles
-            w = _tma.weight_rows_map(w, cfg.k_group)  # the weight tiles come by TMA
+            # the weight tiles come by TMA; FP8 gate/up's rows in pairs of gate and up rows
+            fp8_gate_up = gemm.gated and gemm.fp8 != NOT_FP8
+            w = _tma.gate_up_pairs_map(w, gemm.n_out) if fp8_gate_up else _tma.weight_rows_map(w, cfg.k_group)
         elif plan_index >= 0:  # the dispatch may choose the other plan: a grid claiming the tiles
             grid = min(grid, chosen.standby_blocks or _one_wave(kernel, cfg.threads, smem, device_id))
         args = (gemm.a, dispatch.sorted_slots, np.int32(shape.top_k), w, dispatch.offsets, tile_map,

@@ -14,6 +14,7 @@ constexpr int PRODUCER_THREADS = CUPYMOE_PRODUCER_THREADS;  // expert_gemm_ws's 
 constexpr int BLOCK_ROWS = CUPYMOE_WGMMA_BLOCK_ROWS;     // weight rows of one m64 wgmma block
 constexpr int TMA_BOX_ROWS = CUPYMOE_TMA_BOX_ROWS;       // weight rows per TMA box, stages of one K-tile
 constexpr int STAGED_SLOTS = CUPYMOE_STAGED_SLOTS;       // slots per pass of expert_gemm_ws's epilogue
+constexpr int GATE_UP_PAIR_ROWS = CUPYMOE_GATE_UP_PAIR_ROWS;  // FP8 gate/up stages: gate rows, then as many up rows
 // Fields of a GEMM's m-tile map after its E per-expert entries (tile_map.cuh).
 constexpr int TILE_MAP_TOTAL = CUPYMOE_TILE_MAP_TOTAL;
 constexpr int TILE_MAP_COUNTER = CUPYMOE_TILE_MAP_COUNTER;

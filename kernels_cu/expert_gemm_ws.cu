@@ -1,5 +1,6 @@
-// Per-expert GEMMs on Hopper (sm_90a): persistent, warp-specialised wgmma kernel, operands swapped
-// (the weights are the MMA's rows, a tile's slots its columns).
+// Per-expert GEMMs on Hopper (sm_90a): persistent, warp-specialised wgmma kernel. With 16-bit
+// operands they are swapped (the weights are the MMA's rows, a tile's slots its columns); FP8 keeps
+// the slots as the rows (below).
 // Warpgroup 0 produces: it claims tiles from a device-side counter (zeroed by the dispatch scan),
 // each while the previous one's last K-tiles load, gathers each tile's SLOTS A rows (slots of x or
 // h) with cp.async (expert_tiles.cuh) and loads its 256-row weight tile by TMA (gate/up: 128 gate
@@ -19,12 +20,13 @@
 // block claims it does not change a bit of the result.
 // FP8 (w8a8, cupymoe/fp8.py; the FP8 argument, as expert_gemm's): A and the weights are e4m3 bytes
 // moved as 16-bit pairs, so a 128-byte K-tile row is one scale group of FP8_BLOCK values; the
-// producer also copies the group's scale of each slot into the stage. A consumer's MMAs (m64nNk32
-// e4m3) sum each K-tile afresh; once they retire it frees the stage and adds the sums to its totals
-// times (slot scale * weight scale), as expert_gemm does. KG = 1 only: the totals double the
-// accumulator registers, which is also why FP8 tiles hold at most 64 slots. The FP8 gate/up
-// epilogue writes h quantized for the down GEMM (quantize.cuh): a tile's 128 columns are one group
-// of h, the consumers' halves of it joined through shared memory.
+// producer also copies the group's scale of each slot into the stage. Tiles of 64 slots, stages of
+// one K-tile; each consumer multiplies all 64 slots (the MMA's M) by its 128 weight rows (N), in
+// m64n128k32 e4m3 MMAs that sum each K-tile afresh (Fp8ConsumerTile): once they retire it frees the
+// stage and adds the sums to its totals times (slot scale * weight scale), as expert_gemm does.
+// Gate/up's weight rows come in pairs of 8 gate and 8 up rows (a 4-D tensor map), so a thread has
+// gate and up of its columns. Its epilogue writes h quantized for the down GEMM (quantize.cuh): a
+// tile's 128 columns are one group of h, the consumers' halves of it joined through shared memory.
 #include "epilogue.cuh"
 #include "expert_tiles.cuh"
 #include "mbarrier.cuh"
@@ -48,41 +50,95 @@ constexpr int PRODUCER_BARRIER = 1;        // named barrier of the producer's th
 constexpr int FIRST_CONSUMER_BARRIER = 2;  // consumer c's epilogue uses named barrier 2 + c
 constexpr int CONSUMERS_BARRIER = FIRST_CONSUMER_BARRIER + CONSUMERS;  // both consumers' (FP8 gate/up's epilogue)
 
-// One consumer's share of a tile: accumulators, MMAs and epilogue (epilogue.cuh's, for ACT and
-// EPILOGUE).
-template <bool E4M3, class T> struct WgmmaOperand { using type = T; };
-template <class T> struct WgmmaOperand<true, T> { using type = e4m3; };
+// A consumer's epilogue staging: STAGED_SLOTS slot rows of its COLUMNS output columns (16-bit), which
+// its warpgroup then writes out in 16-byte pieces; FP8 gate/up writes them quantized.
+template <class T, int COLUMNS>
+struct EpilogueStaging {
+  static constexpr int PITCH = 2 * COLUMNS + 16;  // bytes per staged slot row; the 16 spreads the banks
+  static constexpr int BYTES = STAGED_SLOTS * PITCH;
+  static constexpr int CHUNKS = COLUMNS / 8;  // 16-byte pieces per slot row
 
-template <class T, int SLOTS, int KG, bool GATED, int ACT = ACT_SILU, int EPILOGUE = 0, int FP8 = NOT_FP8>
+  // Pass ``pass``'s staged rows into C [slots, n_out] at the tile's columns of this consumer.
+  static __device__ __forceinline__ void write(u16* c, const Tile& tile, int consumer, int n_out,
+                                               const unsigned char* staging, int pass) {
+    for (int piece = threadIdx.x % WARPGROUP_THREADS; piece < STAGED_SLOTS * CHUNKS; piece += WARPGROUP_THREADS) {
+      const int row = piece / CHUNKS, chunk = piece % CHUNKS, slot = pass * STAGED_SLOTS + row;
+      if (slot < tile.rows)
+        *reinterpret_cast<uint4*>(c + (long long)(tile.slot_base + slot) * n_out + tile.n0 + consumer * COLUMNS + 8 * chunk) =
+            *reinterpret_cast<const uint4*>(staging + row * PITCH + 16 * chunk);
+    }
+  }
+
+  // FP8 gate/up: pass ``pass``'s staged rows of h as e4m3 bytes into ``q`` [slots, n_out], and each
+  // slot's scale (consumer 0) into ``h_scales``; the two consumers' COLUMNS make one quantization
+  // group. A slot's eight 16-byte pieces are adjacent lanes' (CHUNKS of them); its amax over this
+  // consumer's columns goes to the spare bytes of its staging row, where the other consumer reads it.
+  static __device__ __forceinline__ void write_quantized(unsigned char* q, const Tile& tile, int consumer, int n_out,
+                                                         unsigned char* staging, int pass, float* h_scales) {
+    constexpr int PIECES = STAGED_SLOTS * CHUNKS / WARPGROUP_THREADS;  // per thread
+    static_assert(PIECES * WARPGROUP_THREADS == STAGED_SLOTS * CHUNKS && CHUNKS == 8, "whole slots in 8 lanes");
+    static_assert(PITCH - 2 * COLUMNS >= 4 && CONSUMERS * COLUMNS == FP8_BLOCK, "a staging row's spare bytes hold its amax");
+    const int thread = threadIdx.x % WARPGROUP_THREADS;
+    uint4 bits[PIECES];
+#pragma unroll
+    for (int p = 0; p < PIECES; ++p) {
+      const int piece = thread + p * WARPGROUP_THREADS, row = piece / CHUNKS;
+      bits[p] = *reinterpret_cast<const uint4*>(staging + row * PITCH + 16 * (piece % CHUNKS));
+      float amax = 0.0f;
+      const u32 words[4] = {bits[p].x, bits[p].y, bits[p].z, bits[p].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+        amax = amax_keeping_nan(amax_keeping_nan(amax, fabsf(unpacked(words[w], 0))), fabsf(unpacked(words[w], 1)));
+#pragma unroll
+      for (int offset = 1; offset < CHUNKS; offset <<= 1) amax = amax_keeping_nan(amax, __shfl_xor_sync(~0u, amax, offset));
+      if (piece % CHUNKS == 0) *reinterpret_cast<float*>(staging + row * PITCH + 2 * COLUMNS) = amax;
+    }
+    named_barrier_sync(CONSUMERS_BARRIER, CONSUMERS * WARPGROUP_THREADS);
+    const unsigned char* other = consumer == 0 ? staging + BYTES : staging - BYTES;
+#pragma unroll
+    for (int p = 0; p < PIECES; ++p) {
+      const int piece = thread + p * WARPGROUP_THREADS, row = piece / CHUNKS, chunk = piece % CHUNKS;
+      const int slot = pass * STAGED_SLOTS + row;
+      const float scale = group_scale(amax_keeping_nan(*reinterpret_cast<const float*>(staging + row * PITCH + 2 * COLUMNS),
+                                                       *reinterpret_cast<const float*>(other + row * PITCH + 2 * COLUMNS)));
+      if (slot >= tile.rows) continue;
+      const float lo[4] = {unpacked(bits[p].x, 0), unpacked(bits[p].x, 1), unpacked(bits[p].y, 0), unpacked(bits[p].y, 1)};
+      const float hi[4] = {unpacked(bits[p].z, 0), unpacked(bits[p].z, 1), unpacked(bits[p].w, 0), unpacked(bits[p].w, 1)};
+      const long long row_of_h = tile.slot_base + slot;
+      *reinterpret_cast<uint2*>(q + row_of_h * n_out + tile.n0 + consumer * COLUMNS + 8 * chunk) =
+          make_uint2(e4m3x4(lo, scale), e4m3x4(hi, scale));
+      if (consumer == 0 && chunk == 0) h_scales[row_of_h * (n_out / FP8_BLOCK) + tile.n0 / FP8_BLOCK] = scale;
+    }
+  }
+
+  // The value ``half`` (0 the low one) of a pair of T's.
+  static __device__ __forceinline__ float unpacked(u32 pair, int half) {
+    return Float16Traits<T>::to_float(u16(half ? pair >> 16 : pair & 0xffffu));
+  }
+};
+
+// The routing weight of the tile's slot ``slot`` (EPILOGUE_INPUT_WEIGHT; 0 past its rows).
+__device__ __forceinline__ float slot_weight(int slot, const Tile& tile, const EpilogueArgs& epilogue, const int* order) {
+  return slot < tile.rows ? epilogue.slot_weights[order[tile.slot_base + slot]] : 0.0f;
+}
+
+// One consumer's share of a tile of 16-bit operands, the weights as the MMA's rows: accumulators,
+// MMAs and epilogue (epilogue.cuh's, for ACT and EPILOGUE).
+template <class T, int SLOTS, int KG, bool GATED, int ACT = ACT_SILU, int EPILOGUE = 0>
 struct ConsumerTile {
-  static constexpr bool SCALED = FP8 != NOT_FP8;
-  static constexpr bool QUANTIZED = SCALED && GATED;  // h leaves as e4m3 bytes with its scales
-  using Operand = typename WgmmaOperand<SCALED, T>::type;
-  static_assert(!SCALED || (KG == 1 && SLOTS <= 64), "FP8: stages of one K-tile, totals beside the sums");
+  static constexpr bool SCALED = false;
+  struct TileWeightScales {};  // FP8's (Fp8ConsumerTile); 16-bit operands have none
+  struct WeightScales {};
   static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns per tile
   static constexpr int COLUMNS = BN / CONSUMERS;                    // ... per consumer
   // Shared rows from a consumer's first m64 block to its second: gate/up pairs gate rows with the
   // up rows BN further; down's blocks are adjacent.
   static constexpr int SECOND_BLOCK = GATED ? BN : BLOCK_ROWS;
-  static constexpr int PITCH = 2 * COLUMNS + 16;  // bytes per staged slot row; the 16 spreads the banks
-  static constexpr int STAGING_BYTES = STAGED_SLOTS * PITCH;
-  static_assert(!QUANTIZED || BN == FP8_BLOCK, "a tile's columns are one quantization group of h");
+  using Staging = EpilogueStaging<T, COLUMNS>;
+  static constexpr int STAGING_BYTES = Staging::BYTES;
   static_assert(SLOTS % STAGED_SLOTS == 0 && SLOTS <= 5 * STAGED_SLOTS, "whole passes, at most five");
   float acc[2][SLOTS / 2];  // m64nSLOTS, twice: weight rows r and r + 8 of 8-slot block i at 4i + {0, 1} and 4i + {2, 3}
-  float total[SCALED ? 2 : 1][SCALED ? SLOTS / 2 : 1];  // FP8: the scaled sums of the K-tiles so far, as acc
 
-  // FP8: one K-tile's scales of this thread's weight rows (block, half).
-  struct WeightScales {
-    float w[2][2];
-  };
-  // FP8: where a tile's weight scales are, for this thread. A persistent tile's m64 block lies in one
-  // 128-row scale block (its n-tiles divide H and I, multiples of 128), so SCALE_BLOCK keeps a
-  // pointer to each block's K-tile scales; SCALE_CHANNEL the rows' scales, the same in every K-tile.
-  struct TileWeightScales {
-    const float* block[2];
-    float channel[2][2];
-  };
-  static_assert(BLOCK_ROWS <= FP8_BLOCK && FP8_BLOCK % BLOCK_ROWS == 0, "an m64 block in one scale block");
   // One stage's MMAs over its `k_tiles` K-tiles (KG or, at the end of an odd K, fewer). Only the
   // tile's first `passes` groups of STAGED_SLOTS slots hold rows: N covers just those.
   __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer, bool accumulate, int passes, int k_tiles) {
@@ -100,76 +156,16 @@ struct ConsumerTile {
     }
   }
 
-  __device__ __forceinline__ void clear_totals() {
-#pragma unroll
-    for (int b = 0; b < 2; ++b)
-#pragma unroll
-      for (int v = 0; v < SLOTS / 2; ++v) total[b][v] = 0.0f;
-  }
-
-  // FP8: the tile's weight scales of this thread's rows, from ``scales.w`` (of the tile's expert,
-  // SCALE_BLOCK or SCALE_CHANNEL).
-  __device__ __forceinline__ TileWeightScales tile_weight_scales(const Fp8Scales& scales, const Tile& tile,
-                                                                 int consumer, int n_out, int k_tiles) const {
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-    const int w_rows = GATED ? 2 * n_out : n_out;
-    const int first = tile.n0 + consumer * COLUMNS + 16 * warp + (lane >> 2);  // weight row of block 0's row 0
-    TileWeightScales s;
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const int row = first + (GATED ? b * n_out : BLOCK_ROWS * b);
-      if constexpr (FP8 == SCALE_BLOCK) {
-        s.block[b] = scales.w + ((long long)tile.expert * (w_rows / FP8_BLOCK) + row / FP8_BLOCK) * k_tiles;
-      } else {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) s.channel[b][half] = scales.w[(long long)tile.expert * w_rows + row + 8 * half];
-      }
-    }
-    return s;
-  }
-
-  // FP8: K-tile kt's weight scales of this thread's rows.
-  __device__ __forceinline__ WeightScales weight_scales(const TileWeightScales& tile_scales, int kt) const {
-    WeightScales s;
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      if constexpr (FP8 == SCALE_BLOCK) {  // down's two blocks share a scale block
-        s.w[b][0] = s.w[b][1] = (GATED || b == 0) ? __ldg(tile_scales.block[b] + kt) : s.w[0][0];
-      } else {
-        s.w[b][0] = tile_scales.channel[b][0], s.w[b][1] = tile_scales.channel[b][1];
-      }
-    }
-    return s;
-  }
-
-  // FP8: total += acc * (slot scale * weight scale) for one retired K-tile, the slots' scales
-  // 8i + 2 (lane % 4) + {0, 1} from its stage's ``slot_scales``.
-  __device__ __forceinline__ void promote(const float* slot_scales, const WeightScales& s) {
-#pragma unroll
-    for (int i = 0; i < SLOTS / 8; ++i) {
-      const float2 slot = *reinterpret_cast<const float2*>(slot_scales + 8 * i + 2 * (threadIdx.x & 3));
-#pragma unroll
-      for (int b = 0; b < 2; ++b)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int v = 4 * i + 2 * half;
-          total[b][v] = fmaf(acc[b][v], slot.x * s.w[b][half], total[b][v]);
-          total[b][v + 1] = fmaf(acc[b][v + 1], slot.y * s.w[b][half], total[b][v + 1]);
-        }
-    }
-  }
-
   // The accumulators' rows are output columns: stmatrix transposes them into this consumer's
-  // staging rows, STAGED_SLOTS slots at a time, which its warpgroup writes out in 16-byte pieces.
-  // ``order``: the sorted slots (gate/up's row r of the tile is slot order[slot_base + r]);
-  // ``h_scales``: QUANTIZED's (Fp8Scales::h).
+  // staging rows, STAGED_SLOTS slots at a time. ``order``: the sorted slots (gate/up's row r of the
+  // tile is slot order[slot_base + r]).
   __device__ __forceinline__ void store(u16* c, const Tile& tile, int consumer, int n_out, unsigned char* staging,
-                                        const EpilogueArgs& epilogue, const int* order, float* h_scales) const {
+                                        const EpilogueArgs& epilogue, const int* order, float*) const {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, m = lane >> 3;
     // Matrix m of each stmatrix: (8-slot step, half) for gate/up, (block, half) for down.
     const int half = m & 1, step = GATED ? m >> 1 : 0, block = GATED ? 0 : m >> 1;
-    const u32 lane_row = smem_addr(staging) + (8 * step + (lane & 7)) * PITCH + (block * 64 + 16 * warp + 8 * half) * 2;
-    constexpr int CHUNKS = COLUMNS / 8;  // 16-byte pieces per slot row
+    const u32 lane_row =
+        smem_addr(staging) + (8 * step + (lane & 7)) * Staging::PITCH + (block * 64 + 16 * warp + 8 * half) * 2;
     const int barrier = FIRST_CONSUMER_BARRIER + consumer;
     // The biases of this thread's accumulator rows, as 16-bit pairs (half 0 low, half 1 high) to
     // spare registers: gate/up [gate, up], down [block].
@@ -191,37 +187,24 @@ struct ConsumerTile {
         const int i = pass * STAGED_SLOTS / 8 + j;
         if constexpr (GATED) {
           const float2 w0 = slot_weights(i, tile, epilogue, order), w1 = slot_weights(i + 1, tile, epilogue, order);
-          stmatrix_x4_trans(lane_row + 8 * j * PITCH, activated(i, 0, w0, bias), activated(i, 1, w0, bias),
+          stmatrix_x4_trans(lane_row + 8 * j * Staging::PITCH, activated(i, 0, w0, bias), activated(i, 1, w0, bias),
                             activated(i + 1, 0, w1, bias), activated(i + 1, 1, w1, bias));
         } else {
-          stmatrix_x4_trans(lane_row + 8 * j * PITCH, pair(0, i, 0, bias), pair(0, i, 1, bias), pair(1, i, 0, bias),
-                            pair(1, i, 1, bias));
+          stmatrix_x4_trans(lane_row + 8 * j * Staging::PITCH, pair(0, i, 0, bias), pair(0, i, 1, bias),
+                            pair(1, i, 0, bias), pair(1, i, 1, bias));
         }
       }
       named_barrier_sync(barrier, WARPGROUP_THREADS);
-      if constexpr (QUANTIZED) {
-        store_quantized(reinterpret_cast<unsigned char*>(c), tile, consumer, n_out, staging, pass, h_scales);
-        // Both consumers' staging rows are free again (each read the other's amaxes).
-        named_barrier_sync(CONSUMERS_BARRIER, CONSUMERS * WARPGROUP_THREADS);
-        continue;
-      }
-      for (int piece = threadIdx.x % WARPGROUP_THREADS; piece < STAGED_SLOTS * CHUNKS; piece += WARPGROUP_THREADS) {
-        const int row = piece / CHUNKS, chunk = piece % CHUNKS, slot = pass * STAGED_SLOTS + row;
-        if (slot < tile.rows)
-          *reinterpret_cast<uint4*>(c + (long long)(tile.slot_base + slot) * n_out + tile.n0 + consumer * COLUMNS + 8 * chunk) =
-              *reinterpret_cast<const uint4*>(staging + row * PITCH + 16 * chunk);
-      }
+      Staging::write(c, tile, consumer, n_out, staging, pass);
       named_barrier_sync(barrier, WARPGROUP_THREADS);  // the staging rows are free again
     }
   }
 
  private:
-  // The MMAs at N = P * STAGED_SLOTS for the first P that covers ``passes``; FP8's at N = SLOTS,
-  // since with the totals beside the sums a run-time N leaves ptxas too few registers for the wgmma
-  // pipeline and it serialises the MMAs (C7511).
+  // The MMAs at N = P * STAGED_SLOTS for the first P that covers ``passes``.
   template <int P>
   __device__ __forceinline__ void mma_passes(u32 w0, u32 w1, u32 s_a, bool accumulate, int passes) {
-    if constexpr (P * STAGED_SLOTS >= SLOTS || SCALED) {
+    if constexpr (P * STAGED_SLOTS >= SLOTS) {
       mma_n<SLOTS>(w0, w1, s_a, accumulate);
     } else {
       if (passes <= P) mma_n<P * STAGED_SLOTS>(w0, w1, s_a, accumulate);
@@ -234,74 +217,24 @@ struct ConsumerTile {
     const u64 slots = wgmma_desc(s_a), block0 = wgmma_desc(w0), block1 = wgmma_desc(w1);
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-      Wgmma<Operand, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[0]), wgmma_desc_offset(block0, kk * 32),
-                             wgmma_desc_offset(slots, kk * 32), accumulate || kk > 0);
-      Wgmma<Operand, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[1]), wgmma_desc_offset(block1, kk * 32),
-                             wgmma_desc_offset(slots, kk * 32), accumulate || kk > 0);
+      Wgmma<T, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[0]), wgmma_desc_offset(block0, kk * 32),
+                       wgmma_desc_offset(slots, kk * 32), accumulate || kk > 0);
+      Wgmma<T, N>::mma(reinterpret_cast<float(&)[N / 2]>(acc[1]), wgmma_desc_offset(block1, kk * 32),
+                       wgmma_desc_offset(slots, kk * 32), accumulate || kk > 0);
     }
   }
 
-  // QUANTIZED: pass ``pass``'s STAGED_SLOTS staged slots of this consumer's 64 columns of h as e4m3
-  // bytes into ``q`` [slots, n_out], and each slot's scale (consumer 0) into ``h_scales``. A slot's
-  // eight 16-byte pieces are adjacent lanes' (CHUNKS of them); its amax over this consumer's
-  // columns goes to the spare bytes of its staging row, where the other consumer reads it.
-  __device__ __forceinline__ void store_quantized(unsigned char* q, const Tile& tile, int consumer, int n_out,
-                                                  unsigned char* staging, int pass, float* h_scales) const {
-    constexpr int CHUNKS = COLUMNS / 8;
-    constexpr int PIECES = STAGED_SLOTS * CHUNKS / WARPGROUP_THREADS;  // per thread
-    static_assert(PIECES * WARPGROUP_THREADS == STAGED_SLOTS * CHUNKS && CHUNKS == 8, "whole slots in 8 lanes");
-    static_assert(PITCH - 2 * COLUMNS >= 4, "a staging row's spare bytes hold its amax");
-    const int thread = threadIdx.x % WARPGROUP_THREADS;
-    uint4 bits[PIECES];
-#pragma unroll
-    for (int p = 0; p < PIECES; ++p) {
-      const int piece = thread + p * WARPGROUP_THREADS, row = piece / CHUNKS;
-      bits[p] = *reinterpret_cast<const uint4*>(staging + row * PITCH + 16 * (piece % CHUNKS));
-      float amax = 0.0f;
-      const u32 words[4] = {bits[p].x, bits[p].y, bits[p].z, bits[p].w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-        amax = amax_keeping_nan(amax_keeping_nan(amax, fabsf(unpacked(words[w], 0))), fabsf(unpacked(words[w], 1)));
-#pragma unroll
-      for (int offset = 1; offset < CHUNKS; offset <<= 1) amax = amax_keeping_nan(amax, __shfl_xor_sync(~0u, amax, offset));
-      if (piece % CHUNKS == 0) *reinterpret_cast<float*>(staging + row * PITCH + 2 * COLUMNS) = amax;
-    }
-    named_barrier_sync(CONSUMERS_BARRIER, CONSUMERS * WARPGROUP_THREADS);
-    const unsigned char* other = consumer == 0 ? staging + STAGING_BYTES : staging - STAGING_BYTES;
-#pragma unroll
-    for (int p = 0; p < PIECES; ++p) {
-      const int piece = thread + p * WARPGROUP_THREADS, row = piece / CHUNKS, chunk = piece % CHUNKS;
-      const int slot = pass * STAGED_SLOTS + row;
-      const float scale = group_scale(amax_keeping_nan(*reinterpret_cast<const float*>(staging + row * PITCH + 2 * COLUMNS),
-                                                       *reinterpret_cast<const float*>(other + row * PITCH + 2 * COLUMNS)));
-      if (slot >= tile.rows) continue;
-      const float lo[4] = {unpacked(bits[p].x, 0), unpacked(bits[p].x, 1), unpacked(bits[p].y, 0), unpacked(bits[p].y, 1)};
-      const float hi[4] = {unpacked(bits[p].z, 0), unpacked(bits[p].z, 1), unpacked(bits[p].w, 0), unpacked(bits[p].w, 1)};
-      const long long row_of_h = tile.slot_base + slot;
-      *reinterpret_cast<uint2*>(q + row_of_h * n_out + tile.n0 + consumer * COLUMNS + 8 * chunk) =
-          make_uint2(e4m3x4(lo, scale), e4m3x4(hi, scale));
-      if (consumer == 0 && chunk == 0) h_scales[row_of_h * (n_out / FP8_BLOCK) + tile.n0 / FP8_BLOCK] = scale;
-    }
-  }
-
-  // Entry v of block b's sums: the accumulators, or FP8's totals.
-  __device__ __forceinline__ float sum(int b, int v) const {
-    if constexpr (SCALED) return total[b][v]; else return acc[b][v];
-  }
-  // The value ``half`` (0 the low one) of a pair of T's: store()'s biases of rows r and r + 8, staged h.
-  static __device__ __forceinline__ float unpacked(u32 pair, int half) {
-    return Float16Traits<T>::to_float(u16(half ? pair >> 16 : pair & 0xffffu));
-  }
+  static __device__ __forceinline__ float unpacked(u32 pair, int half) { return Staging::unpacked(pair, half); }
   // Slots 8i + 2 (lane % 4) + {0, 1} of weight row r + 8 half of an accumulator, with its bias, packed.
   __device__ __forceinline__ u32 pair(int block, int i, int half, const u32 (&bias)[2]) const {
-    float v0 = sum(block, 4 * i + 2 * half), v1 = sum(block, 4 * i + 2 * half + 1);
+    float v0 = acc[block][4 * i + 2 * half], v1 = acc[block][4 * i + 2 * half + 1];
     if constexpr (EPILOGUE & EPILOGUE_BIAS) v0 += unpacked(bias[block], half), v1 += unpacked(bias[block], half);
     return Float16Traits<T>::pack(v0, v1);
   }
   // The same slots of gate/up row r + 8 half through the activation, their weights on the input.
   __device__ __forceinline__ u32 activated(int i, int half, float2 weights, const u32 (&bias)[2]) const {
     const int v = 4 * i + 2 * half;
-    float g0 = sum(0, v), g1 = sum(0, v + 1), u0 = sum(1, v), u1 = sum(1, v + 1);
+    float g0 = acc[0][v], g1 = acc[0][v + 1], u0 = acc[1][v], u1 = acc[1][v + 1];
     if constexpr (EPILOGUE & EPILOGUE_INPUT_WEIGHT) g0 *= weights.x, u0 *= weights.x, g1 *= weights.y, u1 *= weights.y;
     if constexpr (EPILOGUE & EPILOGUE_BIAS) {
       const float gate = unpacked(bias[0], half), up = unpacked(bias[1], half);
@@ -315,11 +248,195 @@ struct ConsumerTile {
     float2 weights = make_float2(1.0f, 1.0f);
     if constexpr (EPILOGUE & EPILOGUE_INPUT_WEIGHT) {
       const int slot = 8 * i + 2 * (threadIdx.x & 3);
-      weights.x = slot < tile.rows ? epilogue.slot_weights[order[tile.slot_base + slot]] : 0.0f;
-      weights.y = slot + 1 < tile.rows ? epilogue.slot_weights[order[tile.slot_base + slot + 1]] : 0.0f;
+      weights = make_float2(slot_weight(slot, tile, epilogue, order), slot_weight(slot + 1, tile, epilogue, order));
     }
     return weights;
   }
+};
+
+// One consumer's share of a tile of FP8 (e4m3) operands, the slots as the MMA's rows: m64 (the
+// tile's SLOTS slots) by n128 (this consumer's weight rows), so a K-tile reads each slot row
+// and each weight row once: 24 KiB of shared memory per consumer, against 32 with the weights as
+// rows (two m64 blocks that each read the slots), which capped the MMAs near 60% of the e4m3
+// rate (docs/PERF.md). Gate/up's stage holds w13's rows in pairs (the pairs map of
+// cupymoe/_tma.py): GATE_UP_PAIR_ROWS gate rows, then the up rows of the same columns, so
+// accumulator piece 2p (8 columns) is gate and 2p + 1 up of one thread's columns of h.
+// Each K-tile's MMAs sum afresh; once they retire, promote() adds the sums to the totals times
+// (slot scale * weight scale), as expert_gemm does.
+template <class T, bool GATED, int ACT, int EPILOGUE, int FP8>
+struct Fp8ConsumerTile {
+  static constexpr bool SCALED = true;
+  static constexpr int SLOTS = BLOCK_ROWS;                          // the MMA's M
+  static constexpr int N = CONSUMER_ROWS;                           // weight rows per consumer: the MMA's N
+  static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns per tile
+  static constexpr int COLUMNS = BN / CONSUMERS;                    // ... per consumer
+  static constexpr int PIECES = N / 8;                              // 8-column pieces of the accumulators
+  using Staging = EpilogueStaging<T, COLUMNS>;
+  static constexpr int STAGING_BYTES = Staging::BYTES;
+  static_assert(!GATED || (BN == FP8_BLOCK && GATE_UP_PAIR_ROWS == 8), "a tile's columns are one group of h; pieces pair");
+  static_assert(SLOTS == 2 * STAGED_SLOTS, "two passes of the epilogue");
+  // Slot rows r and r + 8 (r = 16 warp + lane / 4) of piece p at 4p + {0, 1} and 4p + {2, 3},
+  // columns 8p + 2 (lane % 4) + {0, 1}.
+  float acc[N / 2];
+  float total[N / 2];  // the scaled sums of the K-tiles so far, as acc
+
+  // One K-tile's weight scales of this thread's columns: SCALE_BLOCK's of the gate and up block
+  // (down: one); SCALE_CHANNEL's are the tile's (TileWeightScales).
+  struct WeightScales {
+    float w[2];
+  };
+  // Where a tile's weight scales are for this thread: a consumer's gate rows, its up rows and its
+  // down rows each lie in one 128-row scale block (n-tiles divide H and I, multiples of 128), so
+  // SCALE_BLOCK keeps a pointer to each one's K-tile scales; SCALE_CHANNEL the columns' scales.
+  struct TileWeightScales {
+    const float* block[2];
+    float channel[FP8 == SCALE_CHANNEL ? PIECES : 1][2];
+  };
+
+  __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer, bool, int, int) {
+    const u64 slots = wgmma_desc(s_a), rows = wgmma_desc(s_b + consumer * N * ROW_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk)
+      Wgmma<e4m3, N>::mma(acc, wgmma_desc_offset(slots, kk * 32), wgmma_desc_offset(rows, kk * 32), kk > 0);
+  }
+
+  __device__ __forceinline__ void clear_totals() {
+#pragma unroll
+    for (int v = 0; v < N / 2; ++v) total[v] = 0.0f;
+  }
+
+  // The weight row of this thread's column ``half`` of piece p.
+  __device__ __forceinline__ int weight_row(const Tile& tile, int consumer, int n_out, int p, int half) const {
+    const int column = 8 * (GATED ? p / 2 : p) + 2 * (threadIdx.x & 3) + half;
+    return tile.n0 + consumer * COLUMNS + column + (GATED && (p & 1) ? n_out : 0);
+  }
+
+  // The tile's weight scales of this thread's columns, from ``scales.w`` (of the tile's expert).
+  __device__ __forceinline__ TileWeightScales tile_weight_scales(const Fp8Scales& scales, const Tile& tile,
+                                                                 int consumer, int n_out, int k_tiles) const {
+    const int w_rows = GATED ? 2 * n_out : n_out;
+    TileWeightScales s;
+    if constexpr (FP8 == SCALE_BLOCK) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {  // gate/up: the gate block, the up block; down: its one block, twice
+        const int row = weight_row(tile, consumer, n_out, b, 0);
+        s.block[b] = scales.w + ((long long)tile.expert * (w_rows / FP8_BLOCK) + row / FP8_BLOCK) * k_tiles;
+      }
+    } else {
+#pragma unroll
+      for (int p = 0; p < PIECES; ++p)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          s.channel[p][half] = scales.w[(long long)tile.expert * w_rows + weight_row(tile, consumer, n_out, p, half)];
+    }
+    return s;
+  }
+
+  // K-tile kt's block scales (SCALE_BLOCK; SCALE_CHANNEL's stay in the tile's).
+  __device__ __forceinline__ WeightScales weight_scales(const TileWeightScales& tile_scales, int kt) const {
+    WeightScales s{};
+    if constexpr (FP8 == SCALE_BLOCK) {
+      s.w[0] = __ldg(tile_scales.block[0] + kt);
+      s.w[1] = GATED ? __ldg(tile_scales.block[1] + kt) : s.w[0];
+    }
+    return s;
+  }
+
+  // total += acc * (slot scale * weight scale) for one retired K-tile, the slots' scales from its
+  // stage's ``slot_scales``.
+  __device__ __forceinline__ void promote(const float* slot_scales, const TileWeightScales& tile_scales,
+                                          const WeightScales& s) {
+    const int row = 16 * ((threadIdx.x >> 5) & 3) + ((threadIdx.x & 31) >> 2);
+    const float slot[2] = {slot_scales[row], slot_scales[row + 8]};
+#pragma unroll
+    for (int p = 0; p < PIECES; ++p)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const float w = FP8 == SCALE_BLOCK ? s.w[p & 1] : tile_scales.channel[FP8 == SCALE_BLOCK ? 0 : p][v & 1];
+        total[4 * p + v] = fmaf(acc[4 * p + v], slot[v >> 1] * w, total[4 * p + v]);
+      }
+  }
+
+  // The totals' rows are slots: stmatrix stores them (as the mma fragment they are) into this
+  // consumer's staging rows, a pass of STAGED_SLOTS slots by the two warps that hold them; then
+  // gate/up writes them quantized (h's scales into ``h_scales``), down as they are.
+  __device__ __forceinline__ void store(u16* c, const Tile& tile, int consumer, int n_out, unsigned char* staging,
+                                        const EpilogueArgs& epilogue, const int* order, float* h_scales) const {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, m = lane >> 3;
+    // Matrix m of each stmatrix: slot rows + 8 (m & 1), the next 8 columns (m >> 1).
+    const u32 lane_row = smem_addr(staging) + (16 * (warp & 1) + 8 * (m & 1) + (lane & 7)) * Staging::PITCH + 16 * (m >> 1);
+    const int row = 16 * warp + (lane >> 2);  // this thread's first slot of the tile; the other is 8 further
+    const int barrier = FIRST_CONSUMER_BARRIER + consumer;
+#pragma unroll
+    for (int pass = 0; pass < SLOTS / STAGED_SLOTS; ++pass) {
+      if (pass * STAGED_SLOTS >= tile.rows) break;
+      if ((warp >> 1) == pass) {
+        float2 weights = make_float2(1.0f, 1.0f);
+        if constexpr (EPILOGUE & EPILOGUE_INPUT_WEIGHT)
+          weights = make_float2(slot_weight(row, tile, epilogue, order), slot_weight(row + 8, tile, epilogue, order));
+#pragma unroll
+        for (int q = 0; q < COLUMNS / 16; ++q) {  // columns 16q..16q + 15 of this consumer's
+          if constexpr (GATED) {
+            stmatrix_x4(lane_row + 32 * q, activated(2 * q, 0, weights.x, tile, consumer, n_out, epilogue),
+                        activated(2 * q, 1, weights.y, tile, consumer, n_out, epilogue),
+                        activated(2 * q + 1, 0, weights.x, tile, consumer, n_out, epilogue),
+                        activated(2 * q + 1, 1, weights.y, tile, consumer, n_out, epilogue));
+          } else {
+            stmatrix_x4(lane_row + 32 * q, biased(2 * q, 0, tile, consumer, n_out, epilogue),
+                        biased(2 * q, 1, tile, consumer, n_out, epilogue),
+                        biased(2 * q + 1, 0, tile, consumer, n_out, epilogue),
+                        biased(2 * q + 1, 1, tile, consumer, n_out, epilogue));
+          }
+        }
+      }
+      named_barrier_sync(barrier, WARPGROUP_THREADS);
+      if constexpr (GATED) {
+        Staging::write_quantized(reinterpret_cast<unsigned char*>(c), tile, consumer, n_out, staging, pass, h_scales);
+        // Both consumers' staging rows are free again (each read the other's amaxes).
+        named_barrier_sync(CONSUMERS_BARRIER, CONSUMERS * WARPGROUP_THREADS);
+      } else {
+        Staging::write(c, tile, consumer, n_out, staging, pass);
+        named_barrier_sync(barrier, WARPGROUP_THREADS);  // the staging rows are free again
+      }
+    }
+  }
+
+ private:
+  // Down: this thread's two columns of piece p in slot row r + 8 half, with their bias, packed.
+  __device__ __forceinline__ u32 biased(int p, int half, const Tile& tile, int consumer, int n_out,
+                                        const EpilogueArgs& epilogue) const {
+    float v0 = total[4 * p + 2 * half], v1 = total[4 * p + 2 * half + 1];
+    if constexpr (EPILOGUE & EPILOGUE_BIAS) {
+      const float2 b = bias_pair<T>(epilogue.bias, tile.expert, n_out, weight_row(tile, consumer, n_out, p, 0));
+      v0 += b.x, v1 += b.y;
+    }
+    return Float16Traits<T>::pack(v0, v1);
+  }
+  // Gate/up: this thread's two columns of h of gate piece 2j and up piece 2j + 1 in slot row r + 8
+  // half, the slot's routing weight on the input, through the activation, packed.
+  __device__ __forceinline__ u32 activated(int j, int half, float weight, const Tile& tile, int consumer, int n_out,
+                                           const EpilogueArgs& epilogue) const {
+    const int g = 8 * j + 2 * half, u = g + 4;  // piece 2j's entries, then piece 2j + 1's
+    float g0 = total[g], g1 = total[g + 1], u0 = total[u], u1 = total[u + 1];
+    if constexpr (EPILOGUE & EPILOGUE_INPUT_WEIGHT) g0 *= weight, g1 *= weight, u0 *= weight, u1 *= weight;
+    if constexpr (EPILOGUE & EPILOGUE_BIAS) {
+      const float2 gate = bias_pair<T>(epilogue.bias, tile.expert, 2 * n_out, weight_row(tile, consumer, n_out, 2 * j, 0));
+      const float2 up = bias_pair<T>(epilogue.bias, tile.expert, 2 * n_out, weight_row(tile, consumer, n_out, 2 * j + 1, 0));
+      g0 += gate.x, g1 += gate.y, u0 += up.x, u1 += up.y;
+    }
+    return Float16Traits<T>::pack(activate<ACT>(g0, u0), activate<ACT>(g1, u1));
+  }
+};
+
+// The consumer of a tile: FP8's slots as the MMA's rows, 16-bit operands' weights.
+template <class T, int SLOTS, int KG, bool GATED, int ACT, int EPILOGUE, int FP8, bool SCALED = FP8 != NOT_FP8>
+struct ConsumerOf {
+  using type = ConsumerTile<T, SLOTS, KG, GATED, ACT, EPILOGUE>;
+};
+template <class T, int SLOTS, int KG, bool GATED, int ACT, int EPILOGUE, int FP8>
+struct ConsumerOf<T, SLOTS, KG, GATED, ACT, EPILOGUE, FP8, true> {
+  static_assert(SLOTS == BLOCK_ROWS && KG == 1, "FP8: 64-slot tiles, stages of one K-tile");
+  using type = Fp8ConsumerTile<T, GATED, ACT, EPILOGUE, FP8>;
 };
 
 // The kernel's dynamic shared memory, from its 1024-byte-aligned start: STAGES stages of the
@@ -386,12 +503,17 @@ __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __
         mbarrier_arrive_expect_tx(full + MBARRIER_BYTES * stage, kts * Layout::STAGE_ROWS * ROW_BYTES);
         for (int j = 0; j < kts; ++j) {
           for (int row = 0; row < Layout::STAGE_ROWS; row += BOX_ROWS) {
-            // Stage row `row` is tile row r (KG = 2: block row / 64 of consumer `half`, where its
-            // MMAs read it with KG = 1); gate/up's rows from BN on are the up projection's, n_out on.
-            const int r = KG == 1 ? row : half * Consumer::COLUMNS + row / BLOCK_ROWS * Consumer::SECOND_BLOCK;
-            const int skip = (GATED && r >= BN) ? n_out - BN : 0;
-            tma_load_2d(s_b + stage * Layout::B_BYTES + (j * Layout::STAGE_ROWS + row) * ROW_BYTES, w_map,
-                        (kt0 + j) * BK, w_row + r + skip, full + MBARRIER_BYTES * stage);
+            const u32 dst = s_b + stage * Layout::B_BYTES + (j * Layout::STAGE_ROWS + row) * ROW_BYTES;
+            if constexpr (SCALED && GATED) {  // w_map is the pairs map: the gate and up rows of row / 2 columns on
+              tma_load_4d(dst, w_map, (kt0 + j) * BK, 0, 0, (w_row + row / 2) / GATE_UP_PAIR_ROWS,
+                          full + MBARRIER_BYTES * stage);
+            } else {
+              // Stage row `row` is tile row r (KG = 2: block row / 64 of consumer `half`, where its
+              // MMAs read it with KG = 1); gate/up's rows from BN on are the up projection's, n_out on.
+              const int r = KG == 1 ? row : half * Consumer::COLUMNS + row / BLOCK_ROWS * Consumer::SECOND_BLOCK;
+              const int skip = (GATED && r >= BN) ? n_out - BN : 0;
+              tma_load_2d(dst, w_map, (kt0 + j) * BK, w_row + r + skip, full + MBARRIER_BYTES * stage);
+            }
           }
         }
         if (ts == claim_stage) next_claim = atomicAdd(next_work, 1);
@@ -429,7 +551,7 @@ __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, 
                                         u32 s_a, u32 s_b, const float* slot_scales, u32 full, u32 empty,
                                         const Tile* stage_tile, unsigned char* staging, const EpilogueArgs& epilogue,
                                         const Fp8Scales& scales, const int* __restrict__ sorted_slots) {
-  using Consumer = ConsumerTile<T, SLOTS, KG, GATED, ACT, EPILOGUE, FP8>;
+  using Consumer = typename ConsumerOf<T, SLOTS, KG, GATED, ACT, EPILOGUE, FP8>::type;
   using Layout = WsLayout<SLOTS, STAGES, KG, GATED, Consumer::SCALED>;
   // KG = 1 keeps one stage's MMAs in flight, freeing the stage before; KG = 2 and FP8 free their own.
   constexpr bool RETIRE_OWN = KG == 2 || Consumer::SCALED;
@@ -465,7 +587,7 @@ __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, 
       // The previous stage's MMAs have retired (RETIRE_OWN: this stage's), so it can be refilled.
       if constexpr (RETIRE_OWN) wgmma_wait<0>(); else wgmma_wait<1>();
       if constexpr (Consumer::SCALED) {
-        tile_acc.promote(slot_scales + stage * SLOTS, w_scales);
+        tile_acc.promote(slot_scales + stage * SLOTS, tile_scales, w_scales);
         __syncwarp();  // every lane's read of the stage's scales, before its leader frees it
       }
       const int retired = RETIRE_OWN ? stage : previous;

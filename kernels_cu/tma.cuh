@@ -1,4 +1,4 @@
-// Bulk tensor copies (TMA, sm_90): 2-D tiles from global into shared memory, completing on an mbarrier.
+// Bulk tensor copies (TMA, sm_90): 2-D and 4-D tiles from global into shared memory, completing on an mbarrier.
 #pragma once
 #include "common.cuh"
 
@@ -17,5 +17,14 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap& map, int x
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+// The box at (x, y, z, w) (x innermost) of a 4-D `map` into shared memory at `dst`, completing on mbarrier `bar`.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, int x, int y, int z, int w, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(x), "r"(y), "r"(z),
+      "r"(w), "r"(bar)
       : "memory");
 }

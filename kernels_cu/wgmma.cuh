@@ -24,6 +24,13 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Four 8x8 16-bit matrices in the mma fragment layout (lane holds row lane / 4, columns 2 (lane % 4)
+// + {0, 1} of each): row j of matrix m goes to the 16 bytes lane 8m + j points at.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 m0, u32 m1, u32 m2, u32 m3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+               ::"r"(addr), "r"(m0), "r"(m1), "r"(m2), "r"(m3) : "memory");
+}
+
+// Four 8x8 16-bit matrices in the mma fragment layout (lane holds row lane / 4, columns 2 (lane % 4)
 // + {0, 1} of each) stored transposed: row j of matrix m goes to the 16 bytes lane 8m + j points at.
 __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 m0, u32 m1, u32 m2, u32 m3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"

@@ -89,6 +89,7 @@ def test_kernels_see_the_contract_constants():
         ("FUSED_WARPS", _contract.DISPATCH_FUSED_WARPS), ("EXPERT_SCAN_WARPS", _contract.DISPATCH_EXPERT_SCAN_WARPS),
         ("PRODUCER_THREADS", _contract.PRODUCER_THREADS), ("BLOCK_ROWS", _contract.WGMMA_BLOCK_ROWS),
         ("TMA_BOX_ROWS", _contract.TMA_BOX_ROWS), ("STAGED_SLOTS", _contract.STAGED_SLOTS),
+        ("GATE_UP_PAIR_ROWS", _contract.GATE_UP_PAIR_ROWS),
         ("TILE_MAP_PLAN", _contract.TILE_MAP_PLAN), ("TILE_MAP_EXTRA", _contract.TILE_MAP_EXTRA))]
     compile_asserts(plans.SOURCES[plans.PERSISTENT], asserts)
     assert _checks.SIZE_MULTIPLE == _contract.K_TILE

@@ -14,8 +14,8 @@ class FakeEncode:
         self.status, self.calls = status, []
 
     def __call__(self, out, dtype, rank, address, dims, strides, box, element_strides, *modes):
-        self.calls.append(dict(dtype=dtype, rank=rank, address=address.value, dims=list(dims[:2]),
-                               strides=[strides[0]], box=list(box[:2]), modes=modes))
+        self.calls.append(dict(dtype=dtype, rank=rank, address=address.value, dims=list(dims[:rank]),
+                               strides=list(strides[:rank - 1]), box=list(box[:rank]), modes=modes))
         ctypes.memset(out, 0xAB, 128)
         return self.status
 
@@ -25,8 +25,10 @@ def fake(monkeypatch):
     encode = FakeEncode()
     monkeypatch.setattr(_tma, "_encode_tiled", lambda: encode)
     _tma._rows_map.cache_clear()
+    _tma._pairs_map.cache_clear()
     yield encode
     _tma._rows_map.cache_clear()
+    _tma._pairs_map.cache_clear()
 
 
 def test_map_is_a_128_byte_struct():
@@ -43,6 +45,18 @@ def test_weights_are_rows_of_k_in_128_row_boxes_with_128_byte_swizzle(fake):
                              _tma._OOB_FILL_NONE)
     assert call["address"] == 0x10000 and call["rank"] == 2
     assert got.tobytes() == b"\xab" * 128
+
+
+def test_fp8_gate_up_rows_come_in_pairs_of_gate_and_up_rows(fake):
+    # w13 [E = 4, 2 I = 2048, H = 4096 bytes] of e4m3, moved as 2048 16-bit pairs a row
+    _tma._pairs_map(0x10000, 4 * 2048, 2048, 1024)
+    call, = fake.calls
+    row = 2048 * 2
+    assert call["rank"] == 4
+    assert call["dims"] == [2048, 8, 2, 4 * 2048 // 8]  # K, a row of the pair, gate or up, the pair
+    assert call["strides"] == [row, 1024 * row, 8 * row]  # up rows are I rows below their gate rows
+    assert call["box"] == [64, 8, 2, 8]  # 128 bytes of K, 8 pairs: 64 columns' gate and up rows
+    assert call["modes"][1] == _tma._SWIZZLE_128B
 
 
 def test_same_array_reuses_the_map(fake):
