@@ -119,8 +119,8 @@ def run(gemm: Gemm, dispatch, shape: Shape, chosen: plans.Plan) -> None:
         smem = cfg.shared_bytes(gemm.gated, gemm.fp8 != NOT_FP8, gemm.weight_only)
         grid = plans.max_m_tiles(slots, shape.experts, cfg.block_m) * (gemm.n_out // cfg.block_n)
         w = gemm.w
-        if cfg.kernel == plans.PERSISTENT:  # one block per SM claims tiles; a cluster's blocks each take a share
-            grid = min(grid * cfg.cluster, _compile.multiprocessors(device_id) // cfg.cluster * cfg.cluster)
+        if cfg.kernel == plans.PERSISTENT:
+            grid = min(grid, _compile.multiprocessors(device_id))  # one block per SM claims tiles
             # the weight tiles come by TMA; FP8 gate/up's rows in pairs of gate and up rows
             fp8_gate_up = gemm.gated and gemm.fp8 != NOT_FP8
             w = _tma.gate_up_pairs_map(w, gemm.n_out) if fp8_gate_up else _tma.weight_rows_map(w, cfg.k_group)

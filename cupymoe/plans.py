@@ -62,13 +62,6 @@ class GemmConfig:
     # rows by all block_m slots. SLOT: slot_gemm (mma.sync), no dispatch: a block per routed slot,
     # the blocks of an expert's first slot and of every block_m-th after it computing its slots.
     kernel: str = MMA
-    # PERSISTENT: blocks per cluster that share each weight tile (each block's producer loads its
-    # share of the rows into all of them: TMA multicast), block_m / cluster slots of a tile each.
-    cluster: int = 1
-
-    @property
-    def slots_per_block(self) -> int:
-        return self.block_m // self.cluster
 
     @property
     def source(self) -> str:
@@ -86,11 +79,11 @@ class GemmConfig:
         weight_rows = 2 * self.block_n if gated else self.block_n
         if self.kernel == PERSISTENT:
             weight_rows //= self.k_group
-        a_rows = 2 * self.block_m if weight_only else self.slots_per_block
+        a_rows = 2 * self.block_m if weight_only else self.block_m
         stages = self.stages * self.k_group * (a_rows + weight_rows) * K_TILE * 2
         if self.kernel != PERSISTENT:
             return stages
-        scales = self.stages * a_rows * 4 if fp8 else 0  # a float32 per slot and stage
+        scales = self.stages * self.block_m * 4 if fp8 else 0  # a float32 per slot and stage
         barriers = 16 * self.stages  # a full and an empty mbarrier per stage
         staging = 2 * STAGED_SLOTS * (self.block_n + 16)  # the epilogue's: each consumer's half of the columns
         return stages + scales + 1024 + barriers + staging
@@ -104,23 +97,19 @@ class GemmConfig:
                         fp8: int = NOT_FP8, weight_only: bool = False) -> str:
         """The kernel's template instantiation; ``id_type`` (an ID_TYPES value) only for SLOT,
         ``fp8`` (e4m3 weights with scales of that layout index, and e4m3 A unless ``weight_only``;
-        ``dtype`` is the output's) not for SLOT, and on PERSISTENT with stages of one K-tile,
-        FP8_PERSISTENT_SLOTS slots a block and not weight-only; clusters only on PERSISTENT with
-        stages of one K-tile."""
+        ``dtype`` is the output's) not for SLOT, and on PERSISTENT with stages of one K-tile, at
+        most FP8_PERSISTENT_SLOTS slots and not weight-only."""
         tag = _checks.CUDA_TYPES[dtype]
         tail = f"{'true' if gated else 'false'},{epilogue.activation},{epilogue.flags}"
         if fp8 != NOT_FP8 and self.kernel == SLOT:
             raise ValueError("FP8 operands run on expert_gemm and expert_gemm_ws, not on slot_gemm")
         if weight_only and (fp8 == NOT_FP8 or self.kernel != MMA):
             raise ValueError(f"weight-only FP8 runs on expert_gemm with FP8 weights, not {self} (fp8={fp8})")
-        if fp8 != NOT_FP8 and self.kernel == PERSISTENT and (self.k_group != 1 or self.slots_per_block != FP8_PERSISTENT_SLOTS):
-            raise ValueError(f"FP8 operands on expert_gemm_ws take stages of one K-tile and "
-                             f"{FP8_PERSISTENT_SLOTS} slots a block, not {self}")
-        if self.cluster > 1 and (self.kernel != PERSISTENT or self.k_group != 1):
-            raise ValueError(f"clusters share the weight tiles of expert_gemm_ws with stages of one K-tile, not {self}")
+        if fp8 != NOT_FP8 and self.kernel == PERSISTENT and (self.k_group != 1 or self.block_m > FP8_PERSISTENT_SLOTS):
+            raise ValueError(f"FP8 operands on expert_gemm_ws take stages of one K-tile and at most "
+                             f"{FP8_PERSISTENT_SLOTS} slots, not {self}")
         if self.kernel == PERSISTENT:
-            return (f"expert_gemm_ws<{tag},{self.slots_per_block},{self.stages},{self.k_group},{tail},{fp8},"
-                    f"{self.cluster}>")
+            return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{self.k_group},{tail},{fp8}>"
         if self.kernel == SLOT:
             name, types = "slot_gemm", f"{tag},{id_type}"
         else:
@@ -185,19 +174,14 @@ PERSISTENT_64 = Plan(_persistent(64, True, 4, k_group=2), _persistent(64, False,
 PERSISTENT_96 = _persistent_plan(96, 4)
 PERSISTENT_160 = _persistent_plan(160, 4)
 PLANS = (BY_SLOT, TINY, SMALL, MEDIUM_32, MEDIUM, LARGE, PERSISTENT_64, PERSISTENT_96, PERSISTENT_160)
-# FP8 weights (w8a8, sm_89+): on sm_90 the persistent kernel's e4m3 wgmma with 64 slots a block (its
+# FP8 weights (w8a8, sm_89+): on sm_90 the persistent kernel's e4m3 wgmma with 64-slot tiles (its
 # totals beside the sums leave no registers for more) at every T, since mma.sync e4m3 (which ptxas
-# widens to f16 HMMA there) sums to other last bits; from FP8_PAIRS_ROWS rows per expert in pairs of
-# blocks that share each weight tile (tiles of 128 slots, 64 a block: the same bits, half the
-# weight reads from L2). Elsewhere TINY from the first slot (slot_gemm has no FP8 variant), SMALL
-# up to SMALL_ROWS, then MEDIUM_32: the fastest from T = 512 to 8192 on an H100 beside SMALL and
-# 64-row tiles.
+# widens to f16 HMMA there) sums to other last bits. Elsewhere TINY from the first slot (slot_gemm
+# has no FP8 variant), SMALL up to SMALL_ROWS, then MEDIUM_32: the fastest from T = 512 to 8192 on
+# an H100 beside SMALL and 64-row tiles.
 FP8_PERSISTENT_SLOTS = 64
 PERSISTENT_FP8 = _persistent_plan(FP8_PERSISTENT_SLOTS, 5)
-PERSISTENT_FP8_PAIRS = Plan(replace(PERSISTENT_FP8.gate_up, block_m=2 * FP8_PERSISTENT_SLOTS, cluster=2),
-                            replace(PERSISTENT_FP8.down, block_m=2 * FP8_PERSISTENT_SLOTS, cluster=2))
-FP8_PAIRS_ROWS = float("inf")  # off until timed on a GPU beside the single blocks (tests force it)
-FP8_PLANS = (TINY, SMALL, MEDIUM_32, PERSISTENT_FP8, PERSISTENT_FP8_PAIRS)
+FP8_PLANS = (TINY, SMALL, MEDIUM_32, PERSISTENT_FP8)
 FP8_COMPUTE_CAPABILITY = 89
 # Weight-only FP8 (w8a16; e4m3 weights widened in registers, 16-bit MMAs), on every GPU: the mma.sync
 # FP8 plans by the same rows per expert.
@@ -308,7 +292,7 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
 
 def _fp8_plan(rows_per_expert: float, persistent: bool) -> Plan:
     if persistent:  # e4m3 wgmma sums differ in their last bits from mma.sync's: one kernel at every T, one set of bits
-        return PERSISTENT_FP8_PAIRS if rows_per_expert >= FP8_PAIRS_ROWS else PERSISTENT_FP8
+        return PERSISTENT_FP8
     if rows_per_expert <= TINY_ROWS:
         return TINY
     return SMALL if rows_per_expert <= SMALL_ROWS else MEDIUM_32

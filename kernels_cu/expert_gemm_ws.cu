@@ -455,33 +455,10 @@ struct WsLayout {
       SWIZZLE_ALIGN + STAGES * (A_BYTES + B_BYTES + SCALE_BYTES) + BARRIER_BYTES + STAGING_BYTES;
 };
 
-// Block ``rank``'s share of a cluster's tile of CLUSTER * SLOTS rows: SLOTS of them, from rank * SLOTS
-// (none past the tile's rows).
-template <int SLOTS>
-__device__ __forceinline__ Tile share_of(Tile tile, int rank) {
-  tile.slot_base += rank * SLOTS;
-  tile.rows = max(0, min(SLOTS, tile.rows - rank * SLOTS));
-  return tile;
-}
-
-// The mbarriers that say a stage is free again: each block's of the cluster (CLUSTER = 1: this
-// block's), since the producers multicast into them all.
-template <int CLUSTER>
-__device__ __forceinline__ void free_stage(u32 empty_bar) {
-  if constexpr (CLUSTER == 1) {
-    mbarrier_arrive(empty_bar);
-  } else {
-#pragma unroll
-    for (int rank = 0; rank < CLUSTER; ++rank) mbarrier_arrive_cluster(cluster_address(empty_bar, rank));
-  }
-}
-
 // Warpgroup 0: claims tiles, and for each fills the stages: the slots' rows (and FP8's scales,
 // ``a_scales``) by cp.async, the weight rows by TMA; at the end, a stage with rows -1 for each
-// consumer that takes stages. CLUSTER > 1: the cluster's blocks take the same tiles, in a fixed
-// stride over the clusters, each its share of the slots, and each block's producer loads
-// 1 / CLUSTER of every stage's weight rows into all of them (multicast).
-template <class T, int SLOTS, int STAGES, int KG, bool GATED, bool SCALED, int CLUSTER>
+// consumer that takes stages.
+template <class T, int SLOTS, int STAGES, int KG, bool GATED, bool SCALED>
 __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                                         const TensorMap& w_map, const int* __restrict__ offsets,
                                         int* __restrict__ tile_offsets, int num_experts, int n_out, int k_dim,
@@ -493,31 +470,20 @@ __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __
   using Gather = RowGather<SLOTS, WARPGROUP_THREADS, GATED>;
   constexpr int BN = Consumer::BN;
   constexpr int BOX_ROWS = KG == 1 ? TMA_BOX_ROWS : BLOCK_ROWS;  // weight rows per TMA box (as cupymoe/_tma.py encodes)
-  static_assert(CLUSTER == 1 || Layout::STAGE_ROWS == CLUSTER * BOX_ROWS, "a box of each stage per block of the cluster");
-  constexpr u16 CLUSTER_MASK = CLUSTER == 1 ? 0 : (1u << CLUSTER) - 1;  // multicast to every block of the cluster
-  const int rank = blockIdx.x % CLUSTER, clusters = gridDim.x / CLUSTER;
   int stage = 0;
   u32 phase = 0;  // parity of the stage's current round
   const auto advance = [&] {
     if (++stage == STAGES) { stage = 0; phase ^= 1; }
   };
   int* next_work = tile_counter(tile_offsets, num_experts);
-  // Work item `n` of this block (CLUSTER = 1: claimed from the counter, in turn).
-  const auto claim_work = [&](int n) { return CLUSTER == 1 ? atomicAdd(next_work, 1) : blockIdx.x / CLUSTER + n * clusters; };
-  // Work item `work`'s tile, this block's share of it; false past the last.
-  const auto find = [&](int work, Tile& tile) {
-    const bool found = find_tile<CLUSTER * SLOTS, BN>(work, offsets, tile_offsets, num_experts, n_out, tile);
-    tile = share_of<SLOTS>(tile, rank);
-    return found;
-  };
   // The next tile is claimed while the current one's last K-tiles load, and found and its rows
   // read once the last is issued, so a stage freed at the tile boundary is refilled soon after.
   const int tile_stages = KG * k_steps;  // KG = 2: both consumers' stages, alternating
   const int claim_stage = max(tile_stages - CLAIM_AHEAD, 0);
-  if (threadIdx.x == 0) claimed[0] = claim_work(0);
+  if (threadIdx.x == 0) claimed[0] = atomicAdd(next_work, 1);
   named_barrier_sync(PRODUCER_BARRIER, WARPGROUP_THREADS);
   Tile tile;
-  bool more = find(claimed[0], tile);
+  bool more = find_tile<SLOTS, BN>(claimed[0], offsets, tile_offsets, num_experts, n_out, tile);
   const int* order = GATED ? sorted_slots : nullptr;  // down's rows of h are its tiles' positions
   Gather gather;
   if (more) gather = Gather(tile, order, top_k);
@@ -527,8 +493,7 @@ __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __
     for (int ts = 0; ts < tile_stages; ++ts) {
       const int half = KG == 1 ? 0 : ts & 1;  // whose rows: KG = 1 both consumers', else consumer `half`'s
       const int kt0 = ts / KG * KG, kts = min(KG, k_tiles - kt0);
-      if constexpr (CLUSTER == 1) mbarrier_wait(empty + MBARRIER_BYTES * stage, phase ^ 1);
-      else mbarrier_wait_cluster(empty + MBARRIER_BYTES * stage, phase ^ 1);
+      mbarrier_wait(empty + MBARRIER_BYTES * stage, phase ^ 1);
       for (int j = 0; j < kts; ++j)
         gather.load(s_a + stage * Layout::A_BYTES + j * SLOTS * ROW_BYTES, a, k_dim, kt0 + j);
       if constexpr (SCALED) gather.load_scales(s_scale + stage * Layout::SCALE_BYTES, a_scales, k_tiles, kt0);
@@ -538,32 +503,30 @@ __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __
         mbarrier_arrive_expect_tx(full + MBARRIER_BYTES * stage, kts * Layout::STAGE_ROWS * ROW_BYTES);
         for (int j = 0; j < kts; ++j) {
           for (int row = 0; row < Layout::STAGE_ROWS; row += BOX_ROWS) {
-            if (CLUSTER > 1 && row != rank * BOX_ROWS) continue;  // another block's box
             const u32 dst = s_b + stage * Layout::B_BYTES + (j * Layout::STAGE_ROWS + row) * ROW_BYTES;
             if constexpr (SCALED && GATED) {  // w_map is the pairs map: the gate and up rows of row / 2 columns on
               tma_load_4d(dst, w_map, (kt0 + j) * BK, 0, 0, (w_row + row / 2) / GATE_UP_PAIR_ROWS,
-                          full + MBARRIER_BYTES * stage, CLUSTER_MASK);
+                          full + MBARRIER_BYTES * stage);
             } else {
               // Stage row `row` is tile row r (KG = 2: block row / 64 of consumer `half`, where its
               // MMAs read it with KG = 1); gate/up's rows from BN on are the up projection's, n_out on.
               const int r = KG == 1 ? row : half * Consumer::COLUMNS + row / BLOCK_ROWS * Consumer::SECOND_BLOCK;
               const int skip = (GATED && r >= BN) ? n_out - BN : 0;
-              tma_load_2d(dst, w_map, (kt0 + j) * BK, w_row + r + skip, full + MBARRIER_BYTES * stage, CLUSTER_MASK);
+              tma_load_2d(dst, w_map, (kt0 + j) * BK, w_row + r + skip, full + MBARRIER_BYTES * stage);
             }
           }
         }
-        if (ts == claim_stage) next_claim = claim_work(claim);
+        if (ts == claim_stage) next_claim = atomicAdd(next_work, 1);
       }
       advance();
     }
     if (threadIdx.x == 0) claimed[claim & 1] = next_claim;
     named_barrier_sync(PRODUCER_BARRIER, WARPGROUP_THREADS);
-    more = find(claimed[claim & 1], tile);
+    more = find_tile<SLOTS, BN>(claimed[claim & 1], offsets, tile_offsets, num_experts, n_out, tile);
     if (more) gather = Gather(tile, order, top_k);
   }
   for (int taker = 0; taker < KG; ++taker) {  // the end, in the next stage of each consumer that takes stages
-    if constexpr (CLUSTER == 1) mbarrier_wait(empty + MBARRIER_BYTES * stage, phase ^ 1);
-    else mbarrier_wait_cluster(empty + MBARRIER_BYTES * stage, phase ^ 1);
+    mbarrier_wait(empty + MBARRIER_BYTES * stage, phase ^ 1);
     if (threadIdx.x == 0) stage_tile[stage].rows = -1;
     mbarrier_arrive(full + MBARRIER_BYTES * stage);
     if (threadIdx.x == 0) mbarrier_arrive(full + MBARRIER_BYTES * stage);
@@ -583,7 +546,7 @@ __device__ __forceinline__ Tile read_by_leader(const Tile& shared, bool warp_lea
 // Warpgroups 1 and 2: for each tile the stages bring, its MMAs stage by stage, each stage freed
 // once its MMAs retire (FP8: then its sums promoted), then the epilogue; until a stage says there
 // are no more tiles. ``slot_scales``: FP8's stages of the slots' scales.
-template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8, int CLUSTER>
+template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8>
 __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, u16* __restrict__ c, int n_out,
                                         u32 s_a, u32 s_b, const float* slot_scales, u32 full, u32 empty,
                                         const Tile* stage_tile, unsigned char* staging, const EpilogueArgs& epilogue,
@@ -628,27 +591,19 @@ __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, 
         __syncwarp();  // every lane's read of the stage's scales, before its leader frees it
       }
       const int retired = RETIRE_OWN ? stage : previous;
-      if (retired >= 0 && warp_leader) free_stage<CLUSTER>(empty + MBARRIER_BYTES * retired);
+      if (retired >= 0 && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * retired);
       previous = stage;
       for (int s = 0; s < KG; ++s) advance();  // KG = 2: past the other consumer's stage
     }
     wgmma_wait<0>();
-    if (!RETIRE_OWN && warp_leader) free_stage<CLUSTER>(empty + MBARRIER_BYTES * previous);
+    if (!RETIRE_OWN && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * previous);
     tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES, epilogue, sorted_slots,
                    scales.h);
   }
 }
 
-// Clusters exist from sm_90; the module also compiles (to a trap) for older GPUs.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define CUPYMOE_CLUSTER_DIMS(n) __cluster_dims__(n, 1, 1)
-#else
-#define CUPYMOE_CLUSTER_DIMS(n)
-#endif
-
-// CLUSTER: blocks per cluster that share each weight tile (multicast), SLOTS rows of the tile each.
-template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8, int CLUSTER>
-__global__ void CUPYMOE_CLUSTER_DIMS(CLUSTER) __launch_bounds__(PRODUCER_THREADS + CONSUMERS * WARPGROUP_THREADS, 1)
+template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8>
+__global__ void __launch_bounds__(PRODUCER_THREADS + CONSUMERS * WARPGROUP_THREADS, 1)
 expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                const __grid_constant__ TensorMap w_map, const int* __restrict__ offsets,
                int* __restrict__ tile_offsets, int plan, int num_experts, int n_out, int k_dim,
@@ -675,31 +630,28 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(full + MBARRIER_BYTES * s, PRODUCER_THREADS + 1);  // each producer thread's copies, and the TMA
-      mbarrier_init(empty + MBARRIER_BYTES * s, CLUSTER * STAGE_TAKERS * 4);  // one arrival per warp of its consumers, in each block
+      mbarrier_init(empty + MBARRIER_BYTES * s, STAGE_TAKERS * 4);      // one arrival per warp of its consumers
     }
   }
-  if constexpr (CLUSTER == 1) __syncthreads();
-  else cluster_sync();  // no block's copies or arrivals reach another before its mbarriers are set up
+  __syncthreads();
 
   const int k_tiles = k_dim / BK;
   const int k_steps = (k_tiles + KG - 1) / KG;  // a consumer's stages per tile
   if (threadIdx.x < PRODUCER_THREADS) {
     warpgroup_registers_dec<PRODUCER_REGISTERS>();
-    produce<T, SLOTS, STAGES, KG, GATED, SCALED, CLUSTER>(a, sorted_slots, top_k, w_map, offsets, tile_offsets,
-                                                          num_experts, n_out, k_dim, k_tiles, k_steps, s_a, s_b,
-                                                          s_scale, scales.a, full, empty, stage_tile, claimed);
-  } else {
-    warpgroup_registers_inc<CONSUMER_REGISTERS>();
-    const float* slot_scales = reinterpret_cast<const float*>(smem + (s_scale - smem_addr(smem)));
-    // Lane 0's consumer index, which ptxas then knows to be warp-uniform: the MMAs' shared addresses
-    // stay in uniform registers.
-    const int consumer = __shfl_sync(~0u, (threadIdx.x >> 7) - 1, 0);
-    consume<T, SLOTS, STAGES, KG, GATED, ACT, EPILOGUE, FP8, CLUSTER>(consumer, k_tiles, k_steps, c, n_out, s_a,
-                                                                      s_b, slot_scales, full, empty, stage_tile,
-                                                                      staging, epilogue, scales, sorted_slots);
+    produce<T, SLOTS, STAGES, KG, GATED, SCALED>(a, sorted_slots, top_k, w_map, offsets, tile_offsets, num_experts,
+                                                 n_out, k_dim, k_tiles, k_steps, s_a, s_b, s_scale, scales.a, full,
+                                                 empty, stage_tile, claimed);
+    return;
   }
-  // No block leaves while another of its cluster may still copy into it or arrive on its mbarriers.
-  if constexpr (CLUSTER > 1) cluster_sync();
+  warpgroup_registers_inc<CONSUMER_REGISTERS>();
+  const float* slot_scales = reinterpret_cast<const float*>(smem + (s_scale - smem_addr(smem)));
+  // Lane 0's consumer index, which ptxas then knows to be warp-uniform: the MMAs' shared addresses
+  // stay in uniform registers.
+  const int consumer = __shfl_sync(~0u, (threadIdx.x >> 7) - 1, 0);
+  consume<T, SLOTS, STAGES, KG, GATED, ACT, EPILOGUE, FP8>(consumer, k_tiles, k_steps, c, n_out, s_a,
+                                                           s_b, slot_scales, full, empty, stage_tile, staging,
+                                                           epilogue, scales, sorted_slots);
 #else
   __trap();  // compiled for a GPU without wgmma: the host never launches this
 #endif

@@ -54,7 +54,7 @@ def persistent_configs():
 
 def test_persistent_shared_memory_is_the_kernels_layout():
     asserts = [
-        f"static_assert(WsLayout<{cfg.slots_per_block}, {cfg.stages}, {cfg.k_group}, {str(gated).lower()}, "
+        f"static_assert(WsLayout<{cfg.block_m}, {cfg.stages}, {cfg.k_group}, {str(gated).lower()}, "
         f"{str(fp8).lower()}>::BYTES == {cfg.shared_bytes(gated, fp8)}, "
         f"\"shared_bytes of {cfg} (gated={gated}, fp8={fp8})\");"
         for cfg, gated, fp8 in persistent_configs()]

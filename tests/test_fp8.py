@@ -424,30 +424,6 @@ def test_gpu_skewed_routing_options_and_fp16(routing):
     assert rel_l2(gpu_forward(cupy, args, **gpu_kwargs), want) < FP8_REFERENCE_TOL
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("routing", ["uniform", "one"])
-@pytest.mark.parametrize("layout", ["block", "channel"])
-def test_gpu_paired_blocks_give_the_single_blocks_bits(layout, routing):
-    """PERSISTENT_FP8_PAIRS (two blocks of a cluster share each weight tile by TMA multicast, 64 of a
-    tile's 128 slots each) gives PERSISTENT_FP8's bits: experts of one to three pair tiles, shares
-    with no rows (an expert's last tile of under 65 slots), all tokens on one expert, a -1 id."""
-    import cupy
-
-    rng = np.random.default_rng(8)
-    x, w13, w2, ids, weights = random_problem(rng, 333, 256, 8, 384, 4, BF16, routing)
-    ids[3, 2] = -1
-    q13, s13 = fp8.quantize_weights(w13, layout)
-    q2, s2 = fp8.quantize_weights(w2, layout)
-    args = gpu_fp8(cupy, (x, (q13, s13, q2, s2), ids, weights))
-    outs = []
-    for plan in (plans.PERSISTENT_FP8, plans.PERSISTENT_FP8_PAIRS):
-        with plans.forced(plan):
-            outs.append(gpu_forward(cupy, args))
-    assert np.array_equal(host_bits(outs[0]), host_bits(outs[1]))
-    want = cupymoe.fused_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2)
-    assert rel_l2(outs[1], want) < FP8_REFERENCE_TOL
-
-
 def assert_batch_invariant_and_replayable(cupy, layer, x, ids, weights, full):
     """``layer`` on slices of its 300 tokens (other plans) gives ``full``'s bits, and so does a CUDA
     graph captured on 64 tokens and replayed on others."""

@@ -160,21 +160,17 @@ def test_fp8_weights_take_their_plans_and_compiled_names(cc):
             assert n_out % cfg.block_n == 0
             assert cfg.shared_bytes(gated, fp8=True) + plans.STATIC_SHARED_BYTES <= 227 * 1024
             name = cfg.name_expression(_checks.BFLOAT16, gated, fp8=0)
-            tail = f",0,{cfg.cluster}>" if cfg.kernel == plans.PERSISTENT else ",0,false>"
-            assert name.endswith(tail) and name in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated, fp8=0)
+            assert name.endswith(",0>" if cfg.kernel == plans.PERSISTENT else ",0,false>") and name in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated, fp8=0)
         if (hidden, inter) == (7168, 2048):
             seen.add(p)
-    persistent_plans = {plans.PERSISTENT_FP8} | ({plans.PERSISTENT_FP8_PAIRS} if plans.FP8_PAIRS_ROWS <= 1024 else set())
-    expected = persistent_plans if cc == 90 else {plans.TINY, plans.SMALL, plans.MEDIUM_32}
+    expected = {plans.PERSISTENT_FP8} if cc == 90 else {plans.TINY, plans.SMALL, plans.MEDIUM_32}
     assert seen == expected
     with plans.forced(plans.PERSISTENT_96), pytest.raises(ValueError, match="FP8 weights run their own plans"):
         plans.plan(64, 8, 256, 7168, 2048, cc, 227 * 1024, fp8=True)
     with pytest.raises(ValueError, match="not on slot_gemm"):
         plans.BY_SLOT.gate_up.name_expression(_checks.BFLOAT16, True, fp8=0)
-    with pytest.raises(ValueError, match="64 slots a block"):
+    with pytest.raises(ValueError, match="at most 64 slots"):
         plans.PERSISTENT_96.gate_up.name_expression(_checks.BFLOAT16, True, fp8=0)
-    with pytest.raises(ValueError, match="clusters share the weight tiles"):
-        dataclasses.replace(plans.PERSISTENT_64.gate_up, cluster=2).name_expression(_checks.BFLOAT16, True)
 
 
 @pytest.mark.parametrize("cc", [80, 86, 89, 90])
@@ -209,8 +205,6 @@ def test_weight_only_fp8_takes_the_mma_plans_everywhere(cc):
 def test_fp8_scales_widen_only_the_persistent_stages():
     cfg = plans.PERSISTENT_FP8.down
     assert cfg.shared_bytes(False, fp8=True) == cfg.shared_bytes(False) + cfg.stages * cfg.block_m * 4
-    pairs = plans.PERSISTENT_FP8_PAIRS.down  # a block of the pair holds its 64 of the tile's 128 slots
-    assert pairs.slots_per_block == 64 and pairs.shared_bytes(False, fp8=True) == cfg.shared_bytes(False, fp8=True)
     assert plans.MEDIUM_32.down.shared_bytes(False, fp8=True) == plans.MEDIUM_32.down.shared_bytes(False)
 
 
