@@ -4,8 +4,9 @@ A map describes a weight array as [rows, K] of 16-bit values, read in boxes of T
 (WGMMA_BLOCK_ROWS for stages of two K-tiles) by K_TILE columns (128 bytes) into 128-byte-swizzled
 shared memory: the layout of one stage of the weight tile in ``kernels_cu/expert_gemm_ws.cu``
 (the constants come from ``_contract``). The FP8 gate/up stages take w13's rows in pairs, as a
-4-D map: GATE_UP_PAIR_ROWS gate rows, then the up rows of the same columns, and so on. It is passed by value as a ``__grid_constant__`` kernel
-parameter, so CUDA graphs capture it with the launch.
+4-D map: GATE_UP_PAIR_ROWS gate rows, then the up rows of the same columns, and so on. A map is
+passed by value as a ``__grid_constant__`` kernel parameter, so CUDA graphs capture it with the
+launch.
 """
 from __future__ import annotations
 

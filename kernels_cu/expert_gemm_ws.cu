@@ -258,7 +258,7 @@ struct ConsumerTile {
 // tile's SLOTS slots) by n128 (this consumer's weight rows), so a K-tile reads each slot row
 // and each weight row once: 24 KiB of shared memory per consumer, against 32 with the weights as
 // rows (two m64 blocks that each read the slots), which capped the MMAs near 60% of the e4m3
-// rate (docs/PERF.md). Gate/up's stage holds w13's rows in pairs (the pairs map of
+// rate (benchmarks/PERF.md). Gate/up's stage holds w13's rows in pairs (the pairs map of
 // cupymoe/_tma.py): GATE_UP_PAIR_ROWS gate rows, then the up rows of the same columns, so
 // accumulator piece 2p (8 columns) is gate and 2p + 1 up of one thread's columns of h.
 // Each K-tile's MMAs sum afresh; once they retire, promote() adds the sums to the totals times
