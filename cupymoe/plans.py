@@ -62,6 +62,9 @@ class GemmConfig:
     # rows by all block_m slots. SLOT: slot_gemm (mma.sync), no dispatch: a block per routed slot,
     # the blocks of an expert's first slot and of every block_m-th after it computing its slots.
     kernel: str = MMA
+    # FP8 on PERSISTENT: accumulators per consumer. 2 sums the K-tiles into two by turns, promoting
+    # one K-tile's sums while the next one's MMAs run (FP8_TRIAL_PLANS; not yet measured).
+    accumulators: int = 1
 
     @property
     def source(self) -> str:
@@ -108,8 +111,11 @@ class GemmConfig:
         if fp8 != NOT_FP8 and self.kernel == PERSISTENT and (self.k_group != 1 or self.block_m > FP8_PERSISTENT_SLOTS):
             raise ValueError(f"FP8 operands on expert_gemm_ws take stages of one K-tile and at most "
                              f"{FP8_PERSISTENT_SLOTS} slots, not {self}")
+        if self.accumulators != 1 and (fp8 == NOT_FP8 or self.kernel != PERSISTENT):
+            raise ValueError(f"two accumulators run FP8 operands on expert_gemm_ws, not {self} (fp8={fp8})")
         if self.kernel == PERSISTENT:
-            return f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{self.k_group},{tail},{fp8}>"
+            return (f"expert_gemm_ws<{tag},{self.block_m},{self.stages},{self.k_group},{tail},{fp8},"
+                    f"{self.accumulators}>")
         if self.kernel == SLOT:
             name, types = "slot_gemm", f"{tag},{id_type}"
         else:
@@ -182,6 +188,11 @@ PLANS = (BY_SLOT, TINY, SMALL, MEDIUM_32, MEDIUM, LARGE, PERSISTENT_64, PERSISTE
 FP8_PERSISTENT_SLOTS = 64
 PERSISTENT_FP8 = _persistent_plan(FP8_PERSISTENT_SLOTS, 5)
 FP8_PLANS = (TINY, SMALL, MEDIUM_32, PERSISTENT_FP8)
+# Variants waiting for a GPU measurement: forced() runs them, plan() never picks them, and each
+# compiles into a module of its own. PERSISTENT_FP8 with two accumulators (its bits are the same).
+PERSISTENT_FP8_TWO_ACCUMULATORS = Plan(replace(PERSISTENT_FP8.gate_up, accumulators=2),
+                                       replace(PERSISTENT_FP8.down, accumulators=2))
+FP8_TRIAL_PLANS = (PERSISTENT_FP8_TWO_ACCUMULATORS,)
 FP8_COMPUTE_CAPABILITY = 89
 # Weight-only FP8 (w8a16; e4m3 weights widened in registers, 16-bit MMAs), on every GPU: the mma.sync
 # FP8 plans by the same rows per expert.
@@ -257,8 +268,10 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int, intermediate: int,
     chosen = _FORCED.get()
     if chosen is not None and weight_only and chosen not in WEIGHT_ONLY_PLANS:
         raise ValueError("chosen: weight-only FP8 runs its own plans only (plans.WEIGHT_ONLY_PLANS)")
-    if chosen is not None and fp8 and chosen not in FP8_PLANS:
-        raise ValueError("chosen: FP8 weights run their own plans only (plans.FP8_PLANS)")
+    if chosen is not None and fp8 and chosen not in FP8_PLANS + FP8_TRIAL_PLANS:
+        raise ValueError("chosen: FP8 weights run their own plans only (plans.FP8_PLANS, FP8_TRIAL_PLANS)")
+    if chosen is not None and not fp8 and chosen in FP8_TRIAL_PLANS:
+        raise ValueError("chosen: plans.FP8_TRIAL_PLANS run FP8 weights (w8a8) only")
     if chosen is not None:
         if not sm90 and PERSISTENT in (chosen.gate_up.kernel, chosen.down.kernel):
             raise ValueError(f"chosen: the persistent kernel needs compute capability 9.0, "

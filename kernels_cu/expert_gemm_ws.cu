@@ -22,8 +22,10 @@
 // moved as 16-bit pairs, so a 128-byte K-tile row is one scale group of FP8_BLOCK values; the
 // producer also copies the group's scale of each slot into the stage. Tiles of 64 slots, stages of
 // one K-tile; each consumer multiplies all 64 slots (the MMA's M) by its 128 weight rows (N), in
-// m64n128k32 e4m3 MMAs that sum each K-tile afresh (Fp8ConsumerTile): once they retire it frees the
-// stage and adds the sums to its totals times (slot scale * weight scale), as expert_gemm does.
+// m64n128k32 e4m3 MMAs that sum each K-tile afresh (Fp8ConsumerTile, Fp8KTiles): once they retire
+// it frees the stage and adds the sums to its totals times (slot scale * weight scale), as
+// expert_gemm does. ACCUMULATORS = 2 (a plan option, not yet measured) sums the K-tiles into two
+// accumulators by turns, promoting one K-tile's sums while the next one's MMAs run.
 // Gate/up's weight rows come in pairs of 8 gate and 8 up rows (a 4-D tensor map), so a thread has
 // gate and up of its columns. Its epilogue writes h quantized for the down GEMM (quantize.cuh): a
 // tile's 128 columns are one group of h, the consumers' halves of it joined through shared memory.
@@ -36,9 +38,18 @@
 
 constexpr int WARPGROUP_THREADS = 128;
 static_assert(PRODUCER_THREADS == WARPGROUP_THREADS, "the producer is warpgroup 0");
-// 128 * 88 + 256 * 208 = 384 * 168, what two consumers' launch holds; 88 keeps the loader unspilled.
-constexpr int PRODUCER_REGISTERS = 88;
-constexpr int CONSUMER_REGISTERS = 208;
+// Registers per thread of the producer and of each consumer once reallocated, by the consumers'
+// accumulator sets, within what the launch holds (384 * 168): 88 keeps the 16-bit loader of
+// 160-slot tiles unspilled; FP8's consumers with two accumulators beside the totals hold 192
+// values, and its loader needs 64.
+template <int ACCUMULATORS>
+struct WarpgroupRegisters {
+  static constexpr int PRODUCER = 88, CONSUMER = 208;
+};
+template <>
+struct WarpgroupRegisters<2> {
+  static constexpr int PRODUCER = 64, CONSUMER = 216;
+};
 constexpr int CONSUMERS = 2;                               // warpgroups 1 and 2
 constexpr int WEIGHT_ROWS = 256;                           // weight rows per tile
 constexpr int CONSUMER_ROWS = WEIGHT_ROWS / CONSUMERS;     // ... per consumer
@@ -127,8 +138,7 @@ __device__ __forceinline__ float slot_weight(int slot, const Tile& tile, const E
 template <class T, int SLOTS, int KG, bool GATED, int ACT = ACT_SILU, int EPILOGUE = 0>
 struct ConsumerTile {
   static constexpr bool SCALED = false;
-  struct TileWeightScales {};  // FP8's (Fp8ConsumerTile); 16-bit operands have none
-  struct WeightScales {};
+  static constexpr int ACCUMULATOR_SETS = 1;  // of WarpgroupRegisters (its two m64 blocks are one set)
   static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns per tile
   static constexpr int COLUMNS = BN / CONSUMERS;                    // ... per consumer
   // Shared rows from a consumer's first m64 block to its second: gate/up pairs gate rows with the
@@ -261,11 +271,14 @@ struct ConsumerTile {
 // rate (benchmarks/PERF.md). Gate/up's stage holds w13's rows in pairs (the pairs map of
 // cupymoe/_tma.py): GATE_UP_PAIR_ROWS gate rows, then the up rows of the same columns, so
 // accumulator piece 2p (8 columns) is gate and 2p + 1 up of one thread's columns of h.
-// Each K-tile's MMAs sum afresh; once they retire, promote() adds the sums to the totals times
-// (slot scale * weight scale), as expert_gemm does.
-template <class T, bool GATED, int ACT, int EPILOGUE, int FP8>
+// Each K-tile's MMAs sum afresh into one of ACCUMULATORS accumulators (Fp8KTiles takes them by
+// turns); once they retire, promote() adds the sums to the totals times (slot scale * weight
+// scale), as expert_gemm does.
+template <class T, bool GATED, int ACT, int EPILOGUE, int FP8, int ACCUMULATORS>
 struct Fp8ConsumerTile {
   static constexpr bool SCALED = true;
+  static constexpr int ACCUMULATOR_SETS = ACCUMULATORS;
+  static_assert(ACCUMULATORS == 1 || ACCUMULATORS == 2, "one accumulator, or two by turns");
   static constexpr int SLOTS = BLOCK_ROWS;                          // the MMA's M
   static constexpr int N = CONSUMER_ROWS;                           // weight rows per consumer: the MMA's N
   static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns per tile
@@ -277,27 +290,34 @@ struct Fp8ConsumerTile {
   static_assert(SLOTS == 2 * STAGED_SLOTS, "two passes of the epilogue");
   // Slot rows r and r + 8 (r = 16 warp + lane / 4) of piece p at 4p + {0, 1} and 4p + {2, 3},
   // columns 8p + 2 (lane % 4) + {0, 1}.
-  float acc[N / 2];
+  float acc[ACCUMULATORS][N / 2];
   float total[N / 2];  // the scaled sums of the K-tiles so far, as acc
 
   // One K-tile's weight scales of this thread's columns: SCALE_BLOCK's of the gate and up block
-  // (down: one); SCALE_CHANNEL's are the tile's (TileWeightScales).
+  // (down: one); SCALE_CHANNEL's come through TileWeightScales.
   struct WeightScales {
     float w[2];
   };
   // Where a tile's weight scales are for this thread: a consumer's gate rows, its up rows and its
   // down rows each lie in one 128-row scale block (n-tiles divide H and I, multiples of 128), so
-  // SCALE_BLOCK keeps a pointer to each one's K-tile scales; SCALE_CHANNEL the columns' scales.
+  // SCALE_BLOCK keeps a pointer to each one's K-tile scales; SCALE_CHANNEL to the scales of its
+  // columns of piece 0 and (gate/up) piece 1, those of piece p lying 8 * (p / 2) further (down: 8p),
+  // and with one accumulator the scales themselves (two leave no registers for them: promote()
+  // reads them each K-tile).
+  static constexpr bool HOLDS_CHANNEL_SCALES = FP8 == SCALE_CHANNEL && ACCUMULATORS == 1;
   struct TileWeightScales {
-    const float* block[2];
-    float channel[FP8 == SCALE_CHANNEL ? PIECES : 1][2];
+    const float* rows[2];
+    float channel[HOLDS_CHANNEL_SCALES ? PIECES : 1][2];
   };
 
-  __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer, bool, int, int) {
+  // K-tile MMAs into accumulator B.
+  template <int B>
+  __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer) {
     const u64 slots = wgmma_desc(s_a), rows = wgmma_desc(s_b + consumer * N * ROW_BYTES);
+    wgmma_discard_operands(acc[B]);
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
-      Wgmma<e4m3, N>::mma(acc, wgmma_desc_offset(slots, kk * 32), wgmma_desc_offset(rows, kk * 32), kk > 0);
+      Wgmma<e4m3, N>::mma(acc[B], wgmma_desc_offset(slots, kk * 32), wgmma_desc_offset(rows, kk * 32), kk > 0);
   }
 
   __device__ __forceinline__ void clear_totals() {
@@ -316,45 +336,55 @@ struct Fp8ConsumerTile {
                                                                  int consumer, int n_out, int k_tiles) const {
     const int w_rows = GATED ? 2 * n_out : n_out;
     TileWeightScales s;
-    if constexpr (FP8 == SCALE_BLOCK) {
 #pragma unroll
-      for (int b = 0; b < 2; ++b) {  // gate/up: the gate block, the up block; down: its one block, twice
-        const int row = weight_row(tile, consumer, n_out, b, 0);
-        s.block[b] = scales.w + ((long long)tile.expert * (w_rows / FP8_BLOCK) + row / FP8_BLOCK) * k_tiles;
-      }
-    } else {
+    for (int b = 0; b < 2; ++b) {  // gate/up: the gate rows, the up rows; down: its rows, twice
+      const int row = weight_row(tile, consumer, n_out, b, 0);
+      s.rows[b] = FP8 == SCALE_BLOCK
+                      ? scales.w + ((long long)tile.expert * (w_rows / FP8_BLOCK) + row / FP8_BLOCK) * k_tiles
+                      : scales.w + (long long)tile.expert * w_rows + row;
+    }
+    if constexpr (HOLDS_CHANNEL_SCALES) {
 #pragma unroll
       for (int p = 0; p < PIECES; ++p)
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-          s.channel[p][half] = scales.w[(long long)tile.expert * w_rows + weight_row(tile, consumer, n_out, p, half)];
+        for (int half = 0; half < 2; ++half) s.channel[p][half] = channel_scales(s, p)[half];
     }
     return s;
   }
 
-  // K-tile kt's block scales (SCALE_BLOCK; SCALE_CHANNEL's stay in the tile's).
+  // K-tile kt's block scales (SCALE_BLOCK; SCALE_CHANNEL's come through TileWeightScales).
   __device__ __forceinline__ WeightScales weight_scales(const TileWeightScales& tile_scales, int kt) const {
     WeightScales s{};
     if constexpr (FP8 == SCALE_BLOCK) {
-      s.w[0] = __ldg(tile_scales.block[0] + kt);
-      s.w[1] = GATED ? __ldg(tile_scales.block[1] + kt) : s.w[0];
+      s.w[0] = __ldg(tile_scales.rows[0] + kt);
+      s.w[1] = GATED ? __ldg(tile_scales.rows[1] + kt) : s.w[0];
     }
     return s;
   }
 
-  // total += acc * (slot scale * weight scale) for one retired K-tile, the slots' scales from its
-  // stage's ``slot_scales``.
+  // total += acc[B] * (slot scale * weight scale) for one retired K-tile, the slots' scales from
+  // its stage's ``slot_scales``.
+  template <int B>
   __device__ __forceinline__ void promote(const float* slot_scales, const TileWeightScales& tile_scales,
                                           const WeightScales& s) {
+    wgmma_fence_operands(acc[B]);  // its MMAs have retired: no read of it moves above that wait
     const int row = 16 * ((threadIdx.x >> 5) & 3) + ((threadIdx.x & 31) >> 2);
     const float slot[2] = {slot_scales[row], slot_scales[row + 8]};
 #pragma unroll
-    for (int p = 0; p < PIECES; ++p)
+    for (int p = 0; p < PIECES; ++p) {
+      float channel[2] = {};  // SCALE_CHANNEL: this thread's two columns' scales
+      if constexpr (HOLDS_CHANNEL_SCALES) {
+        channel[0] = tile_scales.channel[p][0], channel[1] = tile_scales.channel[p][1];
+      } else if constexpr (FP8 == SCALE_CHANNEL) {
+        const float* columns = channel_scales(tile_scales, p);
+        channel[0] = columns[0], channel[1] = columns[1];  // not __ldg, which the compiler would hoist out of the K loop
+      }
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
-        const float w = FP8 == SCALE_BLOCK ? s.w[p & 1] : tile_scales.channel[FP8 == SCALE_BLOCK ? 0 : p][v & 1];
-        total[4 * p + v] = fmaf(acc[4 * p + v], slot[v >> 1] * w, total[4 * p + v]);
+        const float w = FP8 == SCALE_BLOCK ? s.w[p & 1] : channel[v & 1];
+        total[4 * p + v] = fmaf(acc[B][4 * p + v], slot[v >> 1] * w, total[4 * p + v]);
       }
+    }
   }
 
   // The totals' rows are slots: stmatrix stores them (as the mma fragment they are) into this
@@ -402,6 +432,10 @@ struct Fp8ConsumerTile {
   }
 
  private:
+  // SCALE_CHANNEL: where the scales of this thread's two columns of piece p are.
+  static __device__ __forceinline__ const float* channel_scales(const TileWeightScales& s, int p) {
+    return GATED ? s.rows[p & 1] + 8 * (p / 2) : s.rows[0] + 8 * p;
+  }
   // Down: this thread's two columns of piece p in slot row r + 8 half, with their bias, packed.
   __device__ __forceinline__ u32 biased(int p, int half, const Tile& tile, int consumer, int n_out,
                                         const EpilogueArgs& epilogue) const {
@@ -429,14 +463,16 @@ struct Fp8ConsumerTile {
 };
 
 // The consumer of a tile: FP8's slots as the MMA's rows, 16-bit operands' weights.
-template <class T, int SLOTS, int KG, bool GATED, int ACT, int EPILOGUE, int FP8, bool SCALED = FP8 != NOT_FP8>
+template <class T, int SLOTS, int KG, bool GATED, int ACT, int EPILOGUE, int FP8, int ACCUMULATORS,
+          bool SCALED = FP8 != NOT_FP8>
 struct ConsumerOf {
+  static_assert(ACCUMULATORS == 1, "16-bit operands: one accumulator set");
   using type = ConsumerTile<T, SLOTS, KG, GATED, ACT, EPILOGUE>;
 };
-template <class T, int SLOTS, int KG, bool GATED, int ACT, int EPILOGUE, int FP8>
-struct ConsumerOf<T, SLOTS, KG, GATED, ACT, EPILOGUE, FP8, true> {
+template <class T, int SLOTS, int KG, bool GATED, int ACT, int EPILOGUE, int FP8, int ACCUMULATORS>
+struct ConsumerOf<T, SLOTS, KG, GATED, ACT, EPILOGUE, FP8, ACCUMULATORS, true> {
   static_assert(SLOTS == BLOCK_ROWS && KG == 1, "FP8: 64-slot tiles, stages of one K-tile");
-  using type = Fp8ConsumerTile<T, GATED, ACT, EPILOGUE, FP8>;
+  using type = Fp8ConsumerTile<T, GATED, ACT, EPILOGUE, FP8, ACCUMULATORS>;
 };
 
 // The kernel's dynamic shared memory, from its 1024-byte-aligned start: STAGES stages of the
@@ -455,6 +491,16 @@ struct WsLayout {
       SWIZZLE_ALIGN + STAGES * (A_BYTES + B_BYTES + SCALE_BYTES) + BARRIER_BYTES + STAGING_BYTES;
 };
 
+// A warpgroup's place in the ring of stages: the stage, and the parity of its current round.
+template <int STAGES>
+struct StageRing {
+  int stage = 0;
+  u32 phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == STAGES) stage = 0, phase ^= 1;
+  }
+};
+
 // Warpgroup 0: claims tiles, and for each fills the stages: the slots' rows (and FP8's scales,
 // ``a_scales``) by cp.async, the weight rows by TMA; at the end, a stage with rows -1 for each
 // consumer that takes stages.
@@ -470,11 +516,7 @@ __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __
   using Gather = RowGather<SLOTS, WARPGROUP_THREADS, GATED>;
   constexpr int BN = Consumer::BN;
   constexpr int BOX_ROWS = KG == 1 ? TMA_BOX_ROWS : BLOCK_ROWS;  // weight rows per TMA box (as cupymoe/_tma.py encodes)
-  int stage = 0;
-  u32 phase = 0;  // parity of the stage's current round
-  const auto advance = [&] {
-    if (++stage == STAGES) { stage = 0; phase ^= 1; }
-  };
+  StageRing<STAGES> ring;
   int* next_work = tile_counter(tile_offsets, num_experts);
   // The next tile is claimed while the current one's last K-tiles load, and found and its rows
   // read once the last is issued, so a stage freed at the tile boundary is refilled soon after.
@@ -493,32 +535,32 @@ __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __
     for (int ts = 0; ts < tile_stages; ++ts) {
       const int half = KG == 1 ? 0 : ts & 1;  // whose rows: KG = 1 both consumers', else consumer `half`'s
       const int kt0 = ts / KG * KG, kts = min(KG, k_tiles - kt0);
-      mbarrier_wait(empty + MBARRIER_BYTES * stage, phase ^ 1);
+      mbarrier_wait(empty + MBARRIER_BYTES * ring.stage, ring.phase ^ 1);
       for (int j = 0; j < kts; ++j)
-        gather.load(s_a + stage * Layout::A_BYTES + j * SLOTS * ROW_BYTES, a, k_dim, kt0 + j);
-      if constexpr (SCALED) gather.load_scales(s_scale + stage * Layout::SCALE_BYTES, a_scales, k_tiles, kt0);
-      mbarrier_arrive_after_cp_async(full + MBARRIER_BYTES * stage);
+        gather.load(s_a + ring.stage * Layout::A_BYTES + j * SLOTS * ROW_BYTES, a, k_dim, kt0 + j);
+      if constexpr (SCALED) gather.load_scales(s_scale + ring.stage * Layout::SCALE_BYTES, a_scales, k_tiles, kt0);
+      mbarrier_arrive_after_cp_async(full + MBARRIER_BYTES * ring.stage);
       if (threadIdx.x == 0) {
-        if (ts < KG) stage_tile[stage] = tile;  // each consumer's first stage of the tile
-        mbarrier_arrive_expect_tx(full + MBARRIER_BYTES * stage, kts * Layout::STAGE_ROWS * ROW_BYTES);
+        if (ts < KG) stage_tile[ring.stage] = tile;  // each consumer's first stage of the tile
+        mbarrier_arrive_expect_tx(full + MBARRIER_BYTES * ring.stage, kts * Layout::STAGE_ROWS * ROW_BYTES);
         for (int j = 0; j < kts; ++j) {
           for (int row = 0; row < Layout::STAGE_ROWS; row += BOX_ROWS) {
-            const u32 dst = s_b + stage * Layout::B_BYTES + (j * Layout::STAGE_ROWS + row) * ROW_BYTES;
+            const u32 dst = s_b + ring.stage * Layout::B_BYTES + (j * Layout::STAGE_ROWS + row) * ROW_BYTES;
             if constexpr (SCALED && GATED) {  // w_map is the pairs map: the gate and up rows of row / 2 columns on
               tma_load_4d(dst, w_map, (kt0 + j) * BK, 0, 0, (w_row + row / 2) / GATE_UP_PAIR_ROWS,
-                          full + MBARRIER_BYTES * stage);
+                          full + MBARRIER_BYTES * ring.stage);
             } else {
               // Stage row `row` is tile row r (KG = 2: block row / 64 of consumer `half`, where its
               // MMAs read it with KG = 1); gate/up's rows from BN on are the up projection's, n_out on.
               const int r = KG == 1 ? row : half * Consumer::COLUMNS + row / BLOCK_ROWS * Consumer::SECOND_BLOCK;
               const int skip = (GATED && r >= BN) ? n_out - BN : 0;
-              tma_load_2d(dst, w_map, (kt0 + j) * BK, w_row + r + skip, full + MBARRIER_BYTES * stage);
+              tma_load_2d(dst, w_map, (kt0 + j) * BK, w_row + r + skip, full + MBARRIER_BYTES * ring.stage);
             }
           }
         }
         if (ts == claim_stage) next_claim = atomicAdd(next_work, 1);
       }
-      advance();
+      ring.advance();
     }
     if (threadIdx.x == 0) claimed[claim & 1] = next_claim;
     named_barrier_sync(PRODUCER_BARRIER, WARPGROUP_THREADS);
@@ -526,11 +568,11 @@ __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __
     if (more) gather = Gather(tile, order, top_k);
   }
   for (int taker = 0; taker < KG; ++taker) {  // the end, in the next stage of each consumer that takes stages
-    mbarrier_wait(empty + MBARRIER_BYTES * stage, phase ^ 1);
-    if (threadIdx.x == 0) stage_tile[stage].rows = -1;
-    mbarrier_arrive(full + MBARRIER_BYTES * stage);
-    if (threadIdx.x == 0) mbarrier_arrive(full + MBARRIER_BYTES * stage);
-    advance();
+    mbarrier_wait(empty + MBARRIER_BYTES * ring.stage, ring.phase ^ 1);
+    if (threadIdx.x == 0) stage_tile[ring.stage].rows = -1;
+    mbarrier_arrive(full + MBARRIER_BYTES * ring.stage);
+    if (threadIdx.x == 0) mbarrier_arrive(full + MBARRIER_BYTES * ring.stage);
+    ring.advance();
   }
 }
 
@@ -543,66 +585,129 @@ __device__ __forceinline__ Tile read_by_leader(const Tile& shared, bool warp_lea
               __shfl_sync(~0u, t.n0, 0)};
 }
 
+// FP8: one tile's K-tiles from a consumer's stages, each K-tile's MMAs summing afresh. With one
+// accumulator a K-tile's MMAs retire before its sums are promoted and its stage freed; with two by
+// turns, once a K-tile's MMAs are issued the one before retires and is promoted and freed, while
+// the tensor cores run the new one's.
+template <class Consumer, class Layout, int STAGES>
+struct Fp8KTiles {
+  Consumer& tile_acc;
+  StageRing<STAGES>& ring;
+  const typename Consumer::TileWeightScales tile_scales;
+  const int consumer;
+  const u32 s_a, s_b, full, empty;
+  const float* slot_scales;
+  const bool warp_leader;
+  int pending = 0;  // the stage of the K-tile whose sums are to be promoted, and its weight scales
+  typename Consumer::WeightScales pending_scales{};
+
+  // Two accumulators: at each step the MMAs in flight are accumulator 0's, whatever the path, so
+  // ptxas can tell that those of accumulator 1 have retired.
+  __device__ __forceinline__ void run(int k_tiles) {
+    tile_acc.clear_totals();
+    if constexpr (Consumer::ACCUMULATOR_SETS == 1) {
+      for (int kt = 0; kt < k_tiles; ++kt) k_tile<0>(kt);
+    } else {
+      k_tile<0>(0);
+      int kt = 1;
+      for (; kt + 1 < k_tiles; kt += 2) {
+        k_tile<1>(kt);
+        k_tile<0>(kt + 1);
+      }
+      if (kt < k_tiles) {
+        k_tile<1>(kt);
+        wgmma_wait<0>();
+        promote_pending<1>();
+      } else {
+        wgmma_wait<0>();
+        promote_pending<0>();
+      }
+    }
+  }
+
+ private:
+  // K-tile kt into accumulator B (the caller waited for the tile's first).
+  template <int B>
+  __device__ __forceinline__ void k_tile(int kt) {
+    if (kt > 0) mbarrier_wait(full + MBARRIER_BYTES * ring.stage, ring.phase);
+    fence_proxy_async();  // the producer's cp.async writes, seen by wgmma's async proxy
+    wgmma_fence();
+    tile_acc.template mma<B>(s_a + ring.stage * Layout::A_BYTES, s_b + ring.stage * Layout::B_BYTES, consumer);
+    wgmma_commit();
+    const typename Consumer::WeightScales w_scales = tile_acc.weight_scales(tile_scales, kt);  // while the MMAs run
+    if constexpr (Consumer::ACCUMULATOR_SETS == 1) {
+      wgmma_wait<0>();
+      pending = ring.stage, pending_scales = w_scales;
+      promote_pending<0>();
+    } else {
+      if (kt > 0) {
+        wgmma_wait<1>();
+        promote_pending<1 - B>();
+      }
+      pending = ring.stage, pending_scales = w_scales;
+    }
+    ring.advance();
+  }
+
+  // The pending K-tile, in accumulator B, whose MMAs have retired.
+  template <int B>
+  __device__ __forceinline__ void promote_pending() {
+    tile_acc.template promote<B>(slot_scales + pending * Consumer::SLOTS, tile_scales, pending_scales);
+    __syncwarp();  // every lane's read of the stage's scales, before its leader frees it
+    if (warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * pending);
+  }
+};
+
 // Warpgroups 1 and 2: for each tile the stages bring, its MMAs stage by stage, each stage freed
-// once its MMAs retire (FP8: then its sums promoted), then the epilogue; until a stage says there
-// are no more tiles. ``slot_scales``: FP8's stages of the slots' scales.
-template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8>
+// once its MMAs retire (FP8: Fp8KTiles), then the epilogue; until a stage says there are no more
+// tiles. ``slot_scales``: FP8's stages of the slots' scales.
+template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8, int ACCUMULATORS>
 __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, u16* __restrict__ c, int n_out,
                                         u32 s_a, u32 s_b, const float* slot_scales, u32 full, u32 empty,
                                         const Tile* stage_tile, unsigned char* staging, const EpilogueArgs& epilogue,
                                         const Fp8Scales& scales, const int* __restrict__ sorted_slots) {
-  using Consumer = typename ConsumerOf<T, SLOTS, KG, GATED, ACT, EPILOGUE, FP8>::type;
+  using Consumer = typename ConsumerOf<T, SLOTS, KG, GATED, ACT, EPILOGUE, FP8, ACCUMULATORS>::type;
   using Layout = WsLayout<SLOTS, STAGES, KG, GATED, Consumer::SCALED>;
-  // KG = 1 keeps one stage's MMAs in flight, freeing the stage before; KG = 2 and FP8 free their own.
-  constexpr bool RETIRE_OWN = KG == 2 || Consumer::SCALED;
-  int stage = 0;
-  u32 phase = 0;  // parity of the stage's current round
-  const auto advance = [&] {
-    if (++stage == STAGES) { stage = 0; phase ^= 1; }
-  };
+  StageRing<STAGES> ring;
   const bool warp_leader = (threadIdx.x & 31) == 0;
   Consumer tile_acc;
-  if (KG == 2 && consumer == 1) advance();  // consumer c takes stages c, c + 2, ...
+  if (KG == 2 && consumer == 1) ring.advance();  // consumer c takes stages c, c + 2, ...
   for (;;) {
-    mbarrier_wait(full + MBARRIER_BYTES * stage, phase);
-    const Tile tile = read_by_leader(stage_tile[stage], warp_leader);
+    mbarrier_wait(full + MBARRIER_BYTES * ring.stage, ring.phase);
+    const Tile tile = read_by_leader(stage_tile[ring.stage], warp_leader);
     if (tile.rows < 0) break;
-    const int passes = (tile.rows + STAGED_SLOTS - 1) / STAGED_SLOTS;  // of the MMA's N and the epilogue
-    int previous = -1;
-    typename Consumer::TileWeightScales tile_scales;
     if constexpr (Consumer::SCALED) {
-      tile_acc.clear_totals();
-      tile_scales = tile_acc.tile_weight_scales(scales, tile, consumer, n_out, k_tiles);
-    }
-    for (int step = 0; step < k_steps; ++step) {
-      if (step > 0) mbarrier_wait(full + MBARRIER_BYTES * stage, phase);
-      fence_proxy_async();  // the producer's cp.async writes, seen by wgmma's async proxy
-      wgmma_fence();
-      tile_acc.mma(s_a + stage * Layout::A_BYTES, s_b + stage * Layout::B_BYTES, consumer,
-                   step > 0 && !Consumer::SCALED, passes, min(KG, k_tiles - step * KG));
-      wgmma_commit();
-      typename Consumer::WeightScales w_scales;
-      if constexpr (Consumer::SCALED)  // loaded while the MMAs run
-        w_scales = tile_acc.weight_scales(tile_scales, step);
-      // The previous stage's MMAs have retired (RETIRE_OWN: this stage's), so it can be refilled.
-      if constexpr (RETIRE_OWN) wgmma_wait<0>(); else wgmma_wait<1>();
-      if constexpr (Consumer::SCALED) {
-        tile_acc.promote(slot_scales + stage * SLOTS, tile_scales, w_scales);
-        __syncwarp();  // every lane's read of the stage's scales, before its leader frees it
+      Fp8KTiles<Consumer, Layout, STAGES>{tile_acc, ring, tile_acc.tile_weight_scales(scales, tile, consumer, n_out, k_tiles),
+                                          consumer, s_a, s_b, full, empty, slot_scales, warp_leader}
+          .run(k_tiles);
+    } else {
+      int previous = -1;
+      const int passes = (tile.rows + STAGED_SLOTS - 1) / STAGED_SLOTS;  // of the MMA's N and the epilogue
+      for (int step = 0; step < k_steps; ++step) {
+        if (step > 0) mbarrier_wait(full + MBARRIER_BYTES * ring.stage, ring.phase);
+        fence_proxy_async();  // the producer's cp.async writes, seen by wgmma's async proxy
+        wgmma_fence();
+        tile_acc.mma(s_a + ring.stage * Layout::A_BYTES, s_b + ring.stage * Layout::B_BYTES, consumer, step > 0,
+                     passes, min(KG, k_tiles - step * KG));
+        wgmma_commit();
+        // KG = 1 keeps one stage's MMAs in flight, freeing the stage before; KG = 2 frees its own,
+        // the other consumer's keeping the tensor cores busy meanwhile.
+        if constexpr (KG == 2) wgmma_wait<0>(); else wgmma_wait<1>();
+        const int retired = KG == 2 ? ring.stage : previous;
+        if (retired >= 0 && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * retired);
+        previous = ring.stage;
+        for (int s = 0; s < KG; ++s) ring.advance();  // KG = 2: past the other consumer's stage
       }
-      const int retired = RETIRE_OWN ? stage : previous;
-      if (retired >= 0 && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * retired);
-      previous = stage;
-      for (int s = 0; s < KG; ++s) advance();  // KG = 2: past the other consumer's stage
+      wgmma_wait<0>();
+      if (KG == 1 && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * previous);
     }
-    wgmma_wait<0>();
-    if (!RETIRE_OWN && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * previous);
     tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES, epilogue, sorted_slots,
                    scales.h);
   }
 }
 
-template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8>
+// ACCUMULATORS: FP8's accumulators per consumer (Fp8KTiles); 1 for 16-bit operands.
+template <class T, int SLOTS, int STAGES, int KG, bool GATED, int ACT, int EPILOGUE, int FP8, int ACCUMULATORS>
 __global__ void __launch_bounds__(PRODUCER_THREADS + CONSUMERS * WARPGROUP_THREADS, 1)
 expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, int top_k,
                const __grid_constant__ TensorMap w_map, const int* __restrict__ offsets,
@@ -638,20 +743,20 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   const int k_tiles = k_dim / BK;
   const int k_steps = (k_tiles + KG - 1) / KG;  // a consumer's stages per tile
   if (threadIdx.x < PRODUCER_THREADS) {
-    warpgroup_registers_dec<PRODUCER_REGISTERS>();
+    warpgroup_registers_dec<WarpgroupRegisters<ACCUMULATORS>::PRODUCER>();
     produce<T, SLOTS, STAGES, KG, GATED, SCALED>(a, sorted_slots, top_k, w_map, offsets, tile_offsets, num_experts,
                                                  n_out, k_dim, k_tiles, k_steps, s_a, s_b, s_scale, scales.a, full,
                                                  empty, stage_tile, claimed);
     return;
   }
-  warpgroup_registers_inc<CONSUMER_REGISTERS>();
+  warpgroup_registers_inc<WarpgroupRegisters<ACCUMULATORS>::CONSUMER>();
   const float* slot_scales = reinterpret_cast<const float*>(smem + (s_scale - smem_addr(smem)));
   // Lane 0's consumer index, which ptxas then knows to be warp-uniform: the MMAs' shared addresses
   // stay in uniform registers.
   const int consumer = __shfl_sync(~0u, (threadIdx.x >> 7) - 1, 0);
-  consume<T, SLOTS, STAGES, KG, GATED, ACT, EPILOGUE, FP8>(consumer, k_tiles, k_steps, c, n_out, s_a,
-                                                           s_b, slot_scales, full, empty, stage_tile, staging,
-                                                           epilogue, scales, sorted_slots);
+  consume<T, SLOTS, STAGES, KG, GATED, ACT, EPILOGUE, FP8, ACCUMULATORS>(consumer, k_tiles, k_steps, c, n_out, s_a,
+                                                                         s_b, slot_scales, full, empty, stage_tile,
+                                                                         staging, epilogue, scales, sorted_slots);
 #else
   __trap();  // compiled for a GPU without wgmma: the host never launches this
 #endif

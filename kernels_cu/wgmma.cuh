@@ -20,6 +20,18 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N> __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
+// After a wgmma_wait: the compiler keeps every access of accumulator d below it (it sees only the
+// MMA's asm write d, not when the values land).
+template <int N> __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int v = 0; v < N; ++v) asm volatile("" : "+f"(d[v])::"memory");
+}
+// Before MMAs that overwrite d (accumulate false): d's old values are dead, so the compiler carries
+// none of them (no copies) into the MMAs' operands.
+template <int N> __device__ __forceinline__ void wgmma_discard_operands(float (&d)[N]) {
+#pragma unroll
+  for (int v = 0; v < N; ++v) asm volatile("" : "=f"(d[v])::"memory");
+}
 // Orders this thread's generic-proxy shared-memory accesses (cp.async, st.shared) with async-proxy ones.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 

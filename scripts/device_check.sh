@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU machine: install cupymoe, run the GPU test tier and the examples, then the benchmark
-# suite from a wheel install, run outside the checkout, with bf16 and with FP8 weights
+# On a GPU machine: install cupymoe, run the GPU test tier, the examples and the FP8 plans probe
+# (which times the trial plans), then the benchmark suite from a wheel install, run outside the checkout, with bf16 and with FP8 weights
 # (DEVICE_CHECK_SUITES="bf16" for one). Logs, the suites' JSON and plots go to $OUT (default
 # /tmp/cupymoe-device). One call does it all.
 set -uo pipefail
@@ -24,6 +24,9 @@ for example in quickstart.py torch_interop.py jax_interop.py family_block.py "fa
   echo "-- $example"
   python3 examples/$example 2>&1 | tail -n 4
 done | tee "$out/examples.log"
+
+echo "== FP8 plans and trial plans (plans.FP8_TRIAL_PLANS), forced: ms, bits equal"
+python3 benchmarks/probes/fp8_plans.py --tokens 1 64 512 4096 8192 --reps 5 2>&1 | tee "$out/fp8-plans.log" | tail -n 6
 
 echo "== benchmark suite, from a wheel install, outside the checkout"
 python3 -m pip install --no-deps --no-build-isolation . >>"$out/pip.log" 2>&1 || { tail "$out/pip.log"; exit 1; }

@@ -386,7 +386,8 @@ def test_gate_up_epilogue_quantizes_h_as_the_quantize_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", plans.FP8_PLANS, ids=lambda p: f"bm{p.gate_up.block_m}")
+@pytest.mark.parametrize("plan", plans.FP8_PLANS + plans.FP8_TRIAL_PLANS,
+                         ids=lambda p: f"bm{p.gate_up.block_m}" + (f"x{p.gate_up.accumulators}" if p.gate_up.accumulators > 1 else ""))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 def test_gpu_against_the_numpy_backend(tokens, layout, plan):
@@ -404,6 +405,26 @@ def test_gpu_against_the_numpy_backend(tokens, layout, plan):
     assert np.array_equal(host_bits(got), host_bits(again))
     n = min(tokens, 4)
     assert rel_l2(got[:n], w8a8_oracle(x[:n], q13, s13, q2, s2, ids[:n], weights[:n])) < FP8_GPU_ORACLE_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", plans.FP8_TRIAL_PLANS, ids=lambda p: f"accumulators{p.gate_up.accumulators}")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("hidden,inter", [(512, 384), (256, 128)])
+@pytest.mark.parametrize("tokens", [1, 64, 300, 1000])
+def test_gpu_trial_plans_give_the_persistent_plans_bits(tokens, hidden, inter, layout, plan):
+    """A trial plan (plans.FP8_TRIAL_PLANS) sums the same products in the same order as
+    PERSISTENT_FP8: the same bits, both GEMMs on the persistent kernel with 1 to 4 K-tiles."""
+    import cupy
+
+    problem = fp8_problem(np.random.default_rng(tokens + 1), tokens, hidden, 8, inter, 4, layout)
+    problem[2][0, 1] = -1
+    args = gpu_fp8(cupy, problem)
+    bits = []
+    for chosen in (plans.PERSISTENT_FP8, plan):
+        with plans.forced(chosen):
+            bits.append(host_bits(gpu_forward(cupy, args)))
+    assert np.array_equal(bits[0], bits[1])
 
 
 @pytest.mark.gpu

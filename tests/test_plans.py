@@ -160,7 +160,7 @@ def test_fp8_weights_take_their_plans_and_compiled_names(cc):
             assert n_out % cfg.block_n == 0
             assert cfg.shared_bytes(gated, fp8=True) + plans.STATIC_SHARED_BYTES <= 227 * 1024
             name = cfg.name_expression(_checks.BFLOAT16, gated, fp8=0)
-            assert name.endswith(",0>" if cfg.kernel == plans.PERSISTENT else ",0,false>") and name in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated, fp8=0)
+            assert name.endswith(",0,1>" if cfg.kernel == plans.PERSISTENT else ",0,false>") and name in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated, fp8=0)
         if (hidden, inter) == (7168, 2048):
             seen.add(p)
     expected = {plans.PERSISTENT_FP8} if cc == 90 else {plans.TINY, plans.SMALL, plans.MEDIUM_32}
@@ -171,6 +171,29 @@ def test_fp8_weights_take_their_plans_and_compiled_names(cc):
         plans.BY_SLOT.gate_up.name_expression(_checks.BFLOAT16, True, fp8=0)
     with pytest.raises(ValueError, match="at most 64 slots"):
         plans.PERSISTENT_96.gate_up.name_expression(_checks.BFLOAT16, True, fp8=0)
+
+
+@pytest.mark.parametrize("chosen", plans.FP8_TRIAL_PLANS)
+def test_fp8_trial_plans_run_only_when_forced_and_only_fp8(chosen):
+    """A trial plan is forced only (plan() never returns it), runs w8a8 on sm_90 only, and compiles
+    in a module of its own, outside name_expressions."""
+    shape = (64, 8, 256, 7168, 2048)
+    assert all(plans.plan(t, 8, 256, 7168, 2048, 90, 227 * 1024, fp8=True) not in plans.FP8_TRIAL_PLANS
+               for t in (1, 64, 4096))
+    with plans.forced(chosen):
+        got = plans.plan(*shape, 90, 227 * 1024, fp8=True)
+        assert got == chosen and got.gate_up.accumulators == 2
+        with pytest.raises(ValueError, match="FP8_TRIAL_PLANS run FP8 weights"):
+            plans.plan(*shape, 90, 227 * 1024)
+        with pytest.raises(ValueError, match="weight-only FP8 runs its own plans"):
+            plans.plan(*shape, 90, 227 * 1024, fp8=True, weight_only=True)
+        with pytest.raises(ValueError, match="compute capability 9.0"):
+            plans.plan(*shape, 89, 99 * 1024, fp8=True)
+    for cfg, gated in ((chosen.gate_up, True), (chosen.down, False)):
+        name = cfg.name_expression(_checks.BFLOAT16, gated, fp8=0)
+        assert name.endswith(",0,2>") and name not in plans.name_expressions(cfg.source, _checks.BFLOAT16, gated, fp8=0)
+        with pytest.raises(ValueError, match="two accumulators run FP8 operands"):
+            cfg.name_expression(_checks.BFLOAT16, gated)
 
 
 @pytest.mark.parametrize("cc", [80, 86, 89, 90])

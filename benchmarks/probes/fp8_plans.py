@@ -1,7 +1,7 @@
-"""Each FP8 plan forced at T from 1 to 8192 (the reference model, uniform routing, block-scaled
-weights), w8a8 and weight-only (w8a16): median ms of an eager MoE layer call, and whether its bits
-equal the first plan's of its mode on the same tokens (batch invariance across plans); the bf16
-layer's own plan beside them."""
+"""Each FP8 plan and trial plan (plans.FP8_TRIAL_PLANS) forced at T from 1 to 8192 (the reference
+model, uniform routing, block-scaled weights), w8a8 and weight-only (w8a16): median ms of an eager
+MoE layer call, and whether its bits equal the first plan's of its mode on the same tokens (batch
+invariance across plans); the bf16 layer's own plan beside them."""
 import argparse
 
 import cupy
@@ -23,7 +23,7 @@ def main():
     stream = cupy.cuda.Stream(non_blocking=True)
     flush = cupy.empty(64 * 2**20, np.int32)
     names = {id(p): n for n, p in vars(plans).items() if isinstance(p, plans.Plan)}
-    runs = [("w8a8", p) for p in plans.FP8_PLANS] + [("w8a16", p) for p in plans.WEIGHT_ONLY_PLANS]
+    runs = [("w8a8", p) for p in plans.FP8_PLANS + plans.FP8_TRIAL_PLANS] + [("w8a16", p) for p in plans.WEIGHT_ONLY_PLANS]
     print("T", *[f"{mode}:{names[id(p)]}" for mode, p in runs], "bf16", "bits equal (w8a8 | w8a16)", sep="\t")
     for tokens in args.tokens:
         rng = np.random.default_rng(tokens)
