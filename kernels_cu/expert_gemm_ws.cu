@@ -24,8 +24,9 @@
 // one K-tile; each consumer multiplies all 64 slots (the MMA's M) by its 128 weight rows (N), in
 // m64n128k32 e4m3 MMAs that sum each K-tile afresh (Fp8ConsumerTile, Fp8KTiles): once they retire
 // it frees the stage and adds the sums to its totals times (slot scale * weight scale), as
-// expert_gemm does. ACCUMULATORS = 2 (a plan option, not yet measured) sums the K-tiles into two
-// accumulators by turns, promoting one K-tile's sums while the next one's MMAs run.
+// expert_gemm does. Two plan options, not yet measured: ACCUMULATORS = 2 sums the K-tiles into
+// two accumulators by turns, promoting one K-tile's sums while the next one's MMAs run; down tiles
+// of 128 slots by 128 columns give each consumer 64 of the slots and all the rows (TileShape).
 // Gate/up's weight rows come in pairs of 8 gate and 8 up rows (a 4-D tensor map), so a thread has
 // gate and up of its columns. Its epilogue writes h quantized for the down GEMM (quantize.cuh): a
 // tile's 128 columns are one group of h, the consumers' halves of it joined through shared memory.
@@ -38,28 +39,41 @@
 
 constexpr int WARPGROUP_THREADS = 128;
 static_assert(PRODUCER_THREADS == WARPGROUP_THREADS, "the producer is warpgroup 0");
-// Registers per thread of the producer and of each consumer once reallocated, by the consumers'
-// accumulator sets, within what the launch holds (384 * 168): 88 keeps the 16-bit loader of
-// 160-slot tiles unspilled; FP8's consumers with two accumulators beside the totals hold 192
-// values, and its loader needs 64.
-template <int ACCUMULATORS>
-struct WarpgroupRegisters {
-  static constexpr int PRODUCER = 88, CONSUMER = 208;
-};
-template <>
-struct WarpgroupRegisters<2> {
-  static constexpr int PRODUCER = 64, CONSUMER = 216;
-};
-constexpr int CONSUMERS = 2;                               // warpgroups 1 and 2
-constexpr int WEIGHT_ROWS = 256;                           // weight rows per tile
-constexpr int CONSUMER_ROWS = WEIGHT_ROWS / CONSUMERS;     // ... per consumer
-static_assert(CONSUMER_ROWS == 2 * BLOCK_ROWS, "a consumer multiplies two m64 blocks");
-constexpr int CLAIM_AHEAD = 3;     // stages before a tile's end at which the producer claims the next
+constexpr int CONSUMERS = 2;                   // warpgroups 1 and 2
+constexpr int LAUNCH_REGISTERS = 168;          // per thread of the launch: 65536 / 384, in steps of 8
+constexpr int CONSUMER_ROWS = 2 * BLOCK_ROWS;  // the weight rows a consumer multiplies: two m64 blocks (FP8: N)
+constexpr int CLAIM_AHEAD = 3;  // stages before a tile's end at which the producer claims the next
 constexpr int MBARRIER_BYTES = 8;
 constexpr int SWIZZLE_ALIGN = 1024;  // the 128-byte swizzle repeats every 8 rows: stages start on it
 constexpr int PRODUCER_BARRIER = 1;        // named barrier of the producer's threads
 constexpr int FIRST_CONSUMER_BARRIER = 2;  // consumer c's epilogue uses named barrier 2 + c
 constexpr int CONSUMERS_BARRIER = FIRST_CONSUMER_BARRIER + CONSUMERS;  // both consumers' (FP8 gate/up's epilogue)
+
+// A tile's weight rows (gate/up: the gate and up rows of its BN output columns) and each
+// consumer's columns. Each consumer multiplies half the weight rows by all the tile's slots, except
+// in FP8's 128-slot tiles (down only), whose consumers take 64 slots each by all 128 weight rows, so
+// a weight row is read from L2 once per 128 slots.
+template <int SLOTS, bool GATED, bool SCALED>
+struct TileShape {
+  static constexpr bool SPLITS_SLOTS = SCALED && SLOTS == 2 * BLOCK_ROWS;
+  static_assert(!(SPLITS_SLOTS && GATED), "gate/up's 128 columns are one group of h: its consumers split the rows");
+  static constexpr int WEIGHT_ROWS = SPLITS_SLOTS ? CONSUMER_ROWS : CONSUMERS * CONSUMER_ROWS;
+  static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns
+  static constexpr int COLUMNS = SPLITS_SLOTS ? BN : BN / CONSUMERS;  // ... per consumer
+};
+
+// Registers per thread of the producer and of each consumer once reallocated, within what the
+// launch holds: 88 keeps the 16-bit loader of 160-slot tiles unspilled, FP8's of 128-slot tiles
+// needs 96; FP8's consumers with two accumulators beside the totals hold 192 values, and their
+// loader (64 slots) needs 64.
+template <class Shape, int ACCUMULATORS>
+struct WarpgroupRegisters {
+  static constexpr int PRODUCER = ACCUMULATORS == 2 ? 64 : Shape::SPLITS_SLOTS ? 96 : 88;
+  static constexpr int CONSUMER = ACCUMULATORS == 2 ? 216 : Shape::SPLITS_SLOTS ? 200 : 208;
+  static_assert(!(Shape::SPLITS_SLOTS && ACCUMULATORS == 2), "no registers for two accumulators beside a 128-slot loader");
+  static_assert(PRODUCER_THREADS * PRODUCER + CONSUMERS * WARPGROUP_THREADS * CONSUMER <=
+                    (PRODUCER_THREADS + CONSUMERS * WARPGROUP_THREADS) * LAUNCH_REGISTERS, "within the launch's");
+};
 
 // A consumer's epilogue staging: STAGED_SLOTS slot rows of its COLUMNS output columns (16-bit), which
 // its warpgroup then writes out in 16-byte pieces; FP8 gate/up writes them quantized.
@@ -138,9 +152,8 @@ __device__ __forceinline__ float slot_weight(int slot, const Tile& tile, const E
 template <class T, int SLOTS, int KG, bool GATED, int ACT = ACT_SILU, int EPILOGUE = 0>
 struct ConsumerTile {
   static constexpr bool SCALED = false;
-  static constexpr int ACCUMULATOR_SETS = 1;  // of WarpgroupRegisters (its two m64 blocks are one set)
-  static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns per tile
-  static constexpr int COLUMNS = BN / CONSUMERS;                    // ... per consumer
+  static constexpr int BN = TileShape<SLOTS, GATED, false>::BN;            // output columns per tile
+  static constexpr int COLUMNS = TileShape<SLOTS, GATED, false>::COLUMNS;  // ... per consumer
   // Shared rows from a consumer's first m64 block to its second: gate/up pairs gate rows with the
   // up rows BN further; down's blocks are adjacent.
   static constexpr int SECOND_BLOCK = GATED ? BN : BLOCK_ROWS;
@@ -274,16 +287,19 @@ struct ConsumerTile {
 // Each K-tile's MMAs sum afresh into one of ACCUMULATORS accumulators (Fp8KTiles takes them by
 // turns); once they retire, promote() adds the sums to the totals times (slot scale * weight
 // scale), as expert_gemm does.
-template <class T, bool GATED, int ACT, int EPILOGUE, int FP8, int ACCUMULATORS>
+// In a 128-slot tile (down) the consumers take 64 slots each (TileShape).
+template <class T, int TILE_SLOTS, bool GATED, int ACT, int EPILOGUE, int FP8, int ACCUMULATORS>
 struct Fp8ConsumerTile {
   static constexpr bool SCALED = true;
   static constexpr int ACCUMULATOR_SETS = ACCUMULATORS;
   static_assert(ACCUMULATORS == 1 || ACCUMULATORS == 2, "one accumulator, or two by turns");
-  static constexpr int SLOTS = BLOCK_ROWS;                          // the MMA's M
-  static constexpr int N = CONSUMER_ROWS;                           // weight rows per consumer: the MMA's N
-  static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns per tile
-  static constexpr int COLUMNS = BN / CONSUMERS;                    // ... per consumer
-  static constexpr int PIECES = N / 8;                              // 8-column pieces of the accumulators
+  using Shape = TileShape<TILE_SLOTS, GATED, true>;
+  static constexpr int SLOTS = BLOCK_ROWS;          // a consumer's slots: the MMA's M
+  static_assert(TILE_SLOTS == (Shape::SPLITS_SLOTS ? CONSUMERS : 1) * SLOTS, "64 slots, or 64 a consumer");
+  static constexpr int N = CONSUMER_ROWS;           // weight rows per consumer: the MMA's N
+  static constexpr int BN = Shape::BN;              // output columns per tile
+  static constexpr int COLUMNS = Shape::COLUMNS;    // ... per consumer
+  static constexpr int PIECES = N / 8;              // 8-column pieces of the accumulators
   using Staging = EpilogueStaging<T, COLUMNS>;
   static constexpr int STAGING_BYTES = Staging::BYTES;
   static_assert(!GATED || (BN == FP8_BLOCK && GATE_UP_PAIR_ROWS == 8), "a tile's columns are one group of h; pieces pair");
@@ -310,10 +326,19 @@ struct Fp8ConsumerTile {
     float channel[HOLDS_CHANNEL_SCALES ? PIECES : 1][2];
   };
 
+  // This consumer's first slot of the tile, and which COLUMNS-wide part of the tile's columns it has.
+  static __device__ __forceinline__ int first_slot(int consumer) { return Shape::SPLITS_SLOTS ? consumer * SLOTS : 0; }
+  static __device__ __forceinline__ int column_part(int consumer) { return Shape::SPLITS_SLOTS ? 0 : consumer; }
+  // This consumer's slots of the tile (rows <= 0: none).
+  static __device__ __forceinline__ Tile own_slots(const Tile& tile, int consumer) {
+    return Tile{tile.expert, tile.slot_base + first_slot(consumer), tile.rows - first_slot(consumer), tile.n0};
+  }
+
   // K-tile MMAs into accumulator B.
   template <int B>
   __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer) {
-    const u64 slots = wgmma_desc(s_a), rows = wgmma_desc(s_b + consumer * N * ROW_BYTES);
+    const u64 slots = wgmma_desc(s_a + first_slot(consumer) * ROW_BYTES);
+    const u64 rows = wgmma_desc(s_b + column_part(consumer) * N * ROW_BYTES);
     wgmma_discard_operands(acc[B]);
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
@@ -328,7 +353,7 @@ struct Fp8ConsumerTile {
   // The weight row of this thread's column ``half`` of piece p.
   __device__ __forceinline__ int weight_row(const Tile& tile, int consumer, int n_out, int p, int half) const {
     const int column = 8 * (GATED ? p / 2 : p) + 2 * (threadIdx.x & 3) + half;
-    return tile.n0 + consumer * COLUMNS + column + (GATED && (p & 1) ? n_out : 0);
+    return tile.n0 + column_part(consumer) * COLUMNS + column + (GATED && (p & 1) ? n_out : 0);
   }
 
   // The tile's weight scales of this thread's columns, from ``scales.w`` (of the tile's expert).
@@ -390,12 +415,13 @@ struct Fp8ConsumerTile {
   // The totals' rows are slots: stmatrix stores them (as the mma fragment they are) into this
   // consumer's staging rows, a pass of STAGED_SLOTS slots by the two warps that hold them; then
   // gate/up writes them quantized (h's scales into ``h_scales``), down as they are.
-  __device__ __forceinline__ void store(u16* c, const Tile& tile, int consumer, int n_out, unsigned char* staging,
+  __device__ __forceinline__ void store(u16* c, const Tile& whole, int consumer, int n_out, unsigned char* staging,
                                         const EpilogueArgs& epilogue, const int* order, float* h_scales) const {
+    const Tile tile = own_slots(whole, consumer);
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, m = lane >> 3;
     // Matrix m of each stmatrix: slot rows + 8 (m & 1), the next 8 columns (m >> 1).
     const u32 lane_row = smem_addr(staging) + (16 * (warp & 1) + 8 * (m & 1) + (lane & 7)) * Staging::PITCH + 16 * (m >> 1);
-    const int row = 16 * warp + (lane >> 2);  // this thread's first slot of the tile; the other is 8 further
+    const int row = 16 * warp + (lane >> 2);  // this thread's first slot of the consumer's; the other is 8 further
     const int barrier = FIRST_CONSUMER_BARRIER + consumer;
 #pragma unroll
     for (int pass = 0; pass < SLOTS / STAGED_SLOTS; ++pass) {
@@ -425,7 +451,7 @@ struct Fp8ConsumerTile {
         // Both consumers' staging rows are free again (each read the other's amaxes).
         named_barrier_sync(CONSUMERS_BARRIER, CONSUMERS * WARPGROUP_THREADS);
       } else {
-        Staging::write(c, tile, consumer, n_out, staging, pass);
+        Staging::write(c, tile, column_part(consumer), n_out, staging, pass);
         named_barrier_sync(barrier, WARPGROUP_THREADS);  // the staging rows are free again
       }
     }
@@ -471,8 +497,8 @@ struct ConsumerOf {
 };
 template <class T, int SLOTS, int KG, bool GATED, int ACT, int EPILOGUE, int FP8, int ACCUMULATORS>
 struct ConsumerOf<T, SLOTS, KG, GATED, ACT, EPILOGUE, FP8, ACCUMULATORS, true> {
-  static_assert(SLOTS == BLOCK_ROWS && KG == 1, "FP8: 64-slot tiles, stages of one K-tile");
-  using type = Fp8ConsumerTile<T, GATED, ACT, EPILOGUE, FP8, ACCUMULATORS>;
+  static_assert(KG == 1, "FP8: stages of one K-tile");
+  using type = Fp8ConsumerTile<T, SLOTS, GATED, ACT, EPILOGUE, FP8, ACCUMULATORS>;
 };
 
 // The kernel's dynamic shared memory, from its 1024-byte-aligned start: STAGES stages of the
@@ -482,11 +508,12 @@ struct ConsumerOf<T, SLOTS, KG, GATED, ACT, EPILOGUE, FP8, ACCUMULATORS, true> {
 // (tests/test_contract.py holds them equal).
 template <int SLOTS, int STAGES, int KG, bool GATED, bool SCALED = false>
 struct WsLayout {
-  static constexpr int STAGE_ROWS = WEIGHT_ROWS / KG;  // weight rows per stage
+  using Shape = TileShape<SLOTS, GATED, SCALED>;
+  static constexpr int STAGE_ROWS = Shape::WEIGHT_ROWS / KG;  // weight rows per stage
   static constexpr int A_BYTES = KG * SLOTS * ROW_BYTES, B_BYTES = KG * STAGE_ROWS * ROW_BYTES;  // one stage
   static constexpr int SCALE_BYTES = SCALED ? SLOTS * 4 : 0;                                     // ... FP8
   static constexpr int BARRIER_BYTES = 2 * STAGES * MBARRIER_BYTES;
-  static constexpr int STAGING_BYTES = CONSUMERS * ConsumerTile<bf16, SLOTS, KG, GATED>::STAGING_BYTES;
+  static constexpr int STAGING_BYTES = CONSUMERS * EpilogueStaging<bf16, Shape::COLUMNS>::BYTES;
   static constexpr int BYTES =
       SWIZZLE_ALIGN + STAGES * (A_BYTES + B_BYTES + SCALE_BYTES) + BARRIER_BYTES + STAGING_BYTES;
 };
@@ -511,10 +538,10 @@ __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __
                                         int k_tiles, int k_steps, u32 s_a, u32 s_b, u32 s_scale,
                                         const float* __restrict__ a_scales, u32 full, u32 empty, Tile* stage_tile,
                                         int* claimed) {
-  using Consumer = ConsumerTile<T, SLOTS, KG, GATED>;
+  using Consumer = ConsumerTile<T, SLOTS, KG, GATED>;  // whose rows KG = 2 (16-bit only) loads apart
   using Layout = WsLayout<SLOTS, STAGES, KG, GATED, SCALED>;
   using Gather = RowGather<SLOTS, WARPGROUP_THREADS, GATED>;
-  constexpr int BN = Consumer::BN;
+  constexpr int BN = Layout::Shape::BN;
   constexpr int BOX_ROWS = KG == 1 ? TMA_BOX_ROWS : BLOCK_ROWS;  // weight rows per TMA box (as cupymoe/_tma.py encodes)
   StageRing<STAGES> ring;
   int* next_work = tile_counter(tile_offsets, num_experts);
@@ -652,7 +679,8 @@ struct Fp8KTiles {
   // The pending K-tile, in accumulator B, whose MMAs have retired.
   template <int B>
   __device__ __forceinline__ void promote_pending() {
-    tile_acc.template promote<B>(slot_scales + pending * Consumer::SLOTS, tile_scales, pending_scales);
+    const float* stage_scales = slot_scales + pending * Layout::SCALE_BYTES / 4;  // the stage's float scales
+    tile_acc.template promote<B>(stage_scales + Consumer::first_slot(consumer), tile_scales, pending_scales);
     __syncwarp();  // every lane's read of the stage's scales, before its leader frees it
     if (warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * pending);
   }
@@ -721,6 +749,7 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   static_assert(KG == 1 || STAGES % 2 == 0, "KG = 2: each consumer keeps its own stages");
   constexpr bool SCALED = FP8 != NOT_FP8;
   using Layout = WsLayout<SLOTS, STAGES, KG, GATED, SCALED>;
+  using Registers = WarpgroupRegisters<typename Layout::Shape, ACCUMULATORS>;
   constexpr int STAGE_TAKERS = KG == 1 ? CONSUMERS : 1;  // consumers that read each stage
 
   extern __shared__ unsigned char smem[];
@@ -743,13 +772,13 @@ expert_gemm_ws(const u16* __restrict__ a, const int* __restrict__ sorted_slots, 
   const int k_tiles = k_dim / BK;
   const int k_steps = (k_tiles + KG - 1) / KG;  // a consumer's stages per tile
   if (threadIdx.x < PRODUCER_THREADS) {
-    warpgroup_registers_dec<WarpgroupRegisters<ACCUMULATORS>::PRODUCER>();
+    warpgroup_registers_dec<Registers::PRODUCER>();
     produce<T, SLOTS, STAGES, KG, GATED, SCALED>(a, sorted_slots, top_k, w_map, offsets, tile_offsets, num_experts,
                                                  n_out, k_dim, k_tiles, k_steps, s_a, s_b, s_scale, scales.a, full,
                                                  empty, stage_tile, claimed);
     return;
   }
-  warpgroup_registers_inc<WarpgroupRegisters<ACCUMULATORS>::CONSUMER>();
+  warpgroup_registers_inc<Registers::CONSUMER>();
   const float* slot_scales = reinterpret_cast<const float*>(smem + (s_scale - smem_addr(smem)));
   // Lane 0's consumer index, which ptxas then knows to be warp-uniform: the MMAs' shared addresses
   // stay in uniform registers.

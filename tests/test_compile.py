@@ -62,11 +62,12 @@ FP8_PERSISTENT_MODULES = [
     [(layout, _checks.BFLOAT16, gated, plans.PLAIN) for layout in FP8_LAYOUTS for gated in (True, False)]
     + [(FP8_LAYOUTS[0], _checks.FLOAT16, True, plans.PLAIN)]
     + [(FP8_LAYOUTS[0], _checks.BFLOAT16, gated, epilogue) for gated, epilogue in EPILOGUES[-2:]]] + [
-    # The trial plans' (each a module of its own at run time): both GEMMs, plain and fullest, for each layout.
-    (PERSISTENT_SOURCE, tuple(cfg.name_expression(_checks.BFLOAT16, gated, epilogue=epilogue, fp8=layout)
-                              for p in plans.FP8_TRIAL_PLANS for gated, epilogue in [(True, plans.PLAIN),
-                                                                                    (False, plans.PLAIN)] + EPILOGUES[-2:]
-                              for cfg in [p.gate_up if gated else p.down]))
+    # The trial plans' configs (each a module of its own at run time): plain and fullest epilogue, each layout.
+    (PERSISTENT_SOURCE, tuple(dict.fromkeys(
+        cfg.name_expression(_checks.BFLOAT16, gated, epilogue=epilogue, fp8=layout)
+        for p in plans.FP8_TRIAL_PLANS for gated, epilogue in [(True, plans.PLAIN), (False, plans.PLAIN)] + EPILOGUES[-2:]
+        for cfg in [p.gate_up if gated else p.down]
+        if cfg != (plans.PERSISTENT_FP8.gate_up if gated else plans.PERSISTENT_FP8.down))))
     for layout in FP8_LAYOUTS]
 # Weight-only FP8 (w8a16, every GPU): the mma.sync GEMM for each kernel layout, both dtypes, the plain and the
 # fullest epilogue; and what the 99 KiB GPUs cut.

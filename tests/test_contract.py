@@ -39,10 +39,10 @@ def compile_asserts(source_name: str, asserts: list) -> None:
 
 
 def persistent_configs():
-    """Every persistent config the plans use on sm_90 (with fp8 operands or not), with the pipelines
-    cut for less shared memory too."""
+    """Every persistent config the plans (and the FP8 trial plans) use on sm_90, with fp8 operands or
+    not, with the pipelines cut for less shared memory too."""
     seen = []
-    for fp8, chosen in [(False, p) for p in plans.PLANS] + [(True, p) for p in plans.FP8_PLANS]:
+    for fp8, chosen in [(False, p) for p in plans.PLANS] + [(True, p) for p in plans.FP8_PLANS + plans.FP8_TRIAL_PLANS]:
         for cfg, gated in ((chosen.gate_up, True), (chosen.down, False)):
             if cfg.kernel != plans.PERSISTENT:
                 continue
@@ -59,6 +59,14 @@ def test_persistent_shared_memory_is_the_kernels_layout():
         f"\"shared_bytes of {cfg} (gated={gated}, fp8={fp8})\");"
         for cfg, gated, fp8 in persistent_configs()]
     assert len(asserts) >= 10
+    compile_asserts(plans.SOURCES[plans.PERSISTENT], asserts)
+
+
+def test_persistent_tiles_have_the_kernels_columns():
+    asserts = [
+        f"static_assert(TileShape<{cfg.block_m}, {str(gated).lower()}, {str(fp8).lower()}>::BN == {cfg.block_n}, "
+        f"\"block_n of {cfg} (gated={gated}, fp8={fp8})\");"
+        for cfg, gated, fp8 in persistent_configs()]
     compile_asserts(plans.SOURCES[plans.PERSISTENT], asserts)
 
 

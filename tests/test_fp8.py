@@ -21,6 +21,11 @@ LAYOUTS = ["block", "channel", "expert"]
 SIZES = [(256, 128), (192, 64), (320, 192)]
 
 
+def plan_name(chosen):
+    """A plan's name in cupymoe.plans."""
+    return next(name for name, value in vars(plans).items() if value is chosen)
+
+
 def fp8_problem(rng, tokens, hidden, experts, inter, top_k, layout, dtype=BF16):
     x, w13, w2, ids, weights = random_problem(rng, tokens, hidden, experts, inter, top_k, dtype)
     q13, s13 = fp8.quantize_weights(w13, layout)
@@ -386,8 +391,7 @@ def test_gate_up_epilogue_quantizes_h_as_the_quantize_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", plans.FP8_PLANS + plans.FP8_TRIAL_PLANS,
-                         ids=lambda p: f"bm{p.gate_up.block_m}" + (f"x{p.gate_up.accumulators}" if p.gate_up.accumulators > 1 else ""))
+@pytest.mark.parametrize("plan", plans.FP8_PLANS + plans.FP8_TRIAL_PLANS, ids=lambda p: plan_name(p))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 def test_gpu_against_the_numpy_backend(tokens, layout, plan):
@@ -408,13 +412,15 @@ def test_gpu_against_the_numpy_backend(tokens, layout, plan):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", plans.FP8_TRIAL_PLANS, ids=lambda p: f"accumulators{p.gate_up.accumulators}")
+@pytest.mark.sanitize
+@pytest.mark.parametrize("plan", plans.FP8_TRIAL_PLANS, ids=lambda p: plan_name(p))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("hidden,inter", [(512, 384), (256, 128)])
 @pytest.mark.parametrize("tokens", [1, 64, 300, 1000])
 def test_gpu_trial_plans_give_the_persistent_plans_bits(tokens, hidden, inter, layout, plan):
     """A trial plan (plans.FP8_TRIAL_PLANS) sums the same products in the same order as
-    PERSISTENT_FP8: the same bits, both GEMMs on the persistent kernel with 1 to 4 K-tiles."""
+    PERSISTENT_FP8: the same bits, both GEMMs on the persistent kernel with 1 to 4 K-tiles, experts
+    of 2 to 500 rows (a 128-slot tile's second consumer with none, some or all of its 64)."""
     import cupy
 
     problem = fp8_problem(np.random.default_rng(tokens + 1), tokens, hidden, 8, inter, 4, layout)
