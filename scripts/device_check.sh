@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine: install cupymoe, run the GPU test tier, the examples and the FP8 plans probe
-# (which times the trial plans), then the benchmark suite from a wheel install, run outside the checkout, with bf16 and with FP8 weights
-# (DEVICE_CHECK_SUITES="bf16" for one). Logs, the suites' JSON and plots go to $OUT (default
+# (which times the trial plans), then the benchmark suite from a wheel install, run outside the
+# checkout, with bf16 and with FP8 weights (DEVICE_CHECK_SUITES="bf16" for one), then the FP8 suite
+# with each plan named in DEVICE_CHECK_FP8_PLANS forced (e.g. "PERSISTENT_FP8_128_SLOT_DOWN": a
+# trial plan's A/B in the same call). Logs, the suites' JSON and plots go to $OUT (default
 # /tmp/cupymoe-device). One call does it all.
 set -uo pipefail
 out="${OUT:-/tmp/cupymoe-device}"
@@ -35,6 +37,11 @@ for weights in ${DEVICE_CHECK_SUITES:-bf16 fp8}; do
   (cd /tmp && python3 -c 'import cupymoe; print("cupymoe from", cupymoe.__file__)' &&
    python3 -m cupymoe.bench --weights "$weights" --out "$out") >"$out/suite-$weights.log" 2>&1 || bench_rc=$?
   grep -v '^\[' "$out/suite-$weights.log" | tail -n 30
+done
+for plan in ${DEVICE_CHECK_FP8_PLANS:-}; do
+  (cd /tmp && python3 -m cupymoe.bench --weights fp8 --plan "$plan" --no-peer --out "$out") \
+    >"$out/suite-fp8-$plan.log" 2>&1 || bench_rc=$?
+  grep -v '^\[' "$out/suite-fp8-$plan.log" | tail -n 20
 done
 
 echo "== exit codes: tests $tests_rc, suite $bench_rc"

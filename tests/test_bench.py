@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cupymoe import plans
 from cupymoe.bench import cases, suite
 
 CASES = cases.DEFAULT_CASES
@@ -175,6 +176,18 @@ def test_command_line_defaults_and_errors(capsys):
         with pytest.raises(SystemExit):
             suite.parse_args(bad)
     assert "--reps must be at least 1" in capsys.readouterr().err
+
+
+def test_a_plan_is_forced_by_name_for_its_weights(capsys):
+    args = suite.parse_args(["--weights", "fp8", "--plan", "PERSISTENT_FP8_128_SLOT_DOWN"])[0]
+    assert args.plan == "PERSISTENT_FP8_128_SLOT_DOWN" and suite.parse_args([])[0].plan is None
+    assert suite.forced_plan("PERSISTENT_FP8_128_SLOT_DOWN", "fp8") is plans.PERSISTENT_FP8_128_SLOT_DOWN
+    for bad, why in ((["--plan", "NO_SUCH_PLAN"], "not a plan"), (["--plan", "FP8_PLANS"], "not a plan"),
+                     (["--plan", "PERSISTENT_FP8_128_SLOT_DOWN"], "FP8 weights"),
+                     (["--weights", "fp8", "--plan", "LARGE"], "FP8 weights run their own plans")):
+        with pytest.raises(SystemExit):
+            suite.parse_args(bad)
+        assert why in capsys.readouterr().err
 
 
 def test_main_without_a_gpu_says_so(monkeypatch, capsys):

@@ -3,6 +3,7 @@ a table, a JSON file and a plot. ``python -m cupymoe.bench --help`` lists the op
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import plans
 from .._compile import gpu_available
 from .cases import DEFAULT_CASES, active_experts, load_suite, make_case_inputs, select_cases, sol_ms
 from .contenders import (TorchGroupedMM, TorchScaledMM, bench_cupymoe, load_torch_fp8_peer, load_torch_peer,
@@ -159,6 +161,7 @@ def format_table(result) -> str:
         f"{result['device']}, {weights} weights: read {result['read_bw_TBps']:.2f} TB/s, bf16 matmul "
         f"{result['matmul_TFLOPs']:.0f} TFLOP/s"
         + (f", SOL at {result['sol_matmul_TFLOPs']:.0f} TFLOP/s" if weights != "bf16" else "")
+        + (f", plan {result['plan']} forced" if result.get("plan") else "")
         + f"; peer: {result['peer'] or 'none'}",
         "| case | T | active experts | SOL ms | cupymoe graph ms | %SOL | cupymoe eager ms "
         f"| peer {peer_kind} ms | speedup (peer/cupymoe, {peer_kind}) | peak mem MiB | rel err |",
@@ -245,15 +248,36 @@ def parse_args(argv):
     parser.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
                         help="the experts' precision: bf16, or fp8 (the bf16 draw quantized to block-scaled "
                              "e4m3, SOL with 1-byte weights and the FP8 matmul rate; default: bf16)")
+    parser.add_argument("--plan", help="a tile plan of cupymoe.plans, by name, forced for every case, e.g. a trial "
+                                       "plan (plans.FP8_TRIAL_PLANS) against the default (default: none)")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be at least 1, got {args.reps}")
+    if args.plan is not None:
+        try:
+            forced_plan(args.plan, args.weights)
+        except ValueError as err:
+            parser.error(str(err))
     try:
         model, cases = load_suite(args.cases)
         cases = select_cases(cases, args.only)
     except (OSError, KeyError, ValueError) as err:
         parser.error(f"{args.cases}: {type(err).__name__}: {err}")
     return args, model, cases
+
+
+def forced_plan(name: str, weights: str) -> plans.Plan:
+    """The plan of cupymoe.plans called ``name``; ValueError if there is none, or if it does not
+    run the suite's ``weights`` (the check of a forward, at Hopper's sizes)."""
+    chosen = getattr(plans, name, None)
+    if not isinstance(chosen, plans.Plan):
+        raise ValueError(f"--plan: {name!r} is not a plan of cupymoe.plans")
+    try:
+        with plans.forced(chosen):
+            plans.plan(1, 8, 256, 4096, 1024, plans.WGMMA_COMPUTE_CAPABILITY, 227 * 1024, fp8=weights == "fp8")
+    except ValueError as err:
+        raise ValueError(f"--plan {name} with {weights} weights: {err}") from None
+    return chosen
 
 
 def main(argv=None) -> int:
@@ -263,10 +287,13 @@ def main(argv=None) -> int:
         print("cupymoe.bench needs a CUDA GPU, and CuPy sees none", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    result = run_suite(model, cases, args)
+    with plans.forced(forced_plan(args.plan, args.weights)) if args.plan else contextlib.nullcontext():
+        result = run_suite(model, cases, args)
+    result["plan"] = args.plan
     print(format_table(result), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"suite-{device_short_name(result['device'])}{'-fp8' if args.weights == 'fp8' else ''}"
+    tags = ("-fp8" if args.weights == "fp8" else "") + (f"-{args.plan.lower()}" if args.plan else "")
+    stem = args.out / f"suite-{device_short_name(result['device'])}{tags}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     written = [stem.with_suffix(".json")]
     if plot(result, stem.with_suffix(".png")):
