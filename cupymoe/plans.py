@@ -59,7 +59,7 @@ class GemmConfig:
     k_group: int = 1
     # MMA: expert_gemm (mma.sync, sm_80+). PERSISTENT: expert_gemm_ws (sm_90a), a loading
     # warpgroup and two wgmma warpgroups (warps_m = 8), each multiplying half the tile's weight
-    # rows by all block_m slots (FP8's 128-slot down tiles: all 128 rows by half the slots). SLOT: slot_gemm (mma.sync), no dispatch: a block per routed slot,
+    # rows by all block_m slots (FP8's 128-slot tiles: half the slots, by each half of the rows in turn). SLOT: slot_gemm (mma.sync), no dispatch: a block per routed slot,
     # the blocks of an expert's first slot and of every block_m-th after it computing its slots.
     kernel: str = MMA
     # FP8 on PERSISTENT: accumulators per consumer. 2 sums the K-tiles into two by turns, promoting
@@ -71,8 +71,8 @@ class GemmConfig:
         return SOURCES[self.kernel]
 
     def splits_slots(self, fp8: bool) -> bool:
-        """Whether the persistent kernel's consumers split this tile's slots (FP8's 128-slot down
-        tiles, the kernel's TileShape), not its weight rows."""
+        """Whether the persistent kernel's consumers split this tile's slots, multiplying them by each
+        half of the weight rows in turn (FP8's 128-slot tiles, the kernel's TileShape), not its rows."""
         return self.kernel == PERSISTENT and fp8 and self.block_m == FP8_SLOT_SPLIT_SLOTS
 
     @property
@@ -86,15 +86,15 @@ class GemmConfig:
         to 1 KiB (the kernel's WsLayout, held equal by tests/test_contract.py)."""
         weight_rows = 2 * self.block_n if gated else self.block_n
         if self.kernel == PERSISTENT:
-            weight_rows //= self.k_group
+            weight_rows //= self.k_group * (2 if self.splits_slots(fp8) else 1)  # a stage's
         a_rows = 2 * self.block_m if weight_only else self.block_m
         stages = self.stages * self.k_group * (a_rows + weight_rows) * K_TILE * 2
         if self.kernel != PERSISTENT:
             return stages
         scales = self.stages * self.block_m * 4 if fp8 else 0  # a float32 per slot and stage
         barriers = 16 * self.stages  # a full and an empty mbarrier per stage
-        consumer_columns = self.block_n if self.splits_slots(fp8) else self.block_n // 2
-        staging = 2 * STAGED_SLOTS * (2 * consumer_columns + 16)  # the epilogue's, each consumer's columns
+        staged_columns = self.block_n if self.splits_slots(fp8) and gated else self.block_n // 2  # a consumer's
+        staging = 2 * STAGED_SLOTS * (2 * staged_columns + 16)  # the epilogue's
         return stages + scales + 1024 + barriers + staging
 
     def quantizes_h(self, fp8: bool, weight_only: bool = False) -> bool:
@@ -107,19 +107,18 @@ class GemmConfig:
         """The kernel's template instantiation; ``id_type`` (an ID_TYPES value) only for SLOT,
         ``fp8`` (e4m3 weights with scales of that layout index, and e4m3 A unless ``weight_only``;
         ``dtype`` is the output's) not for SLOT, and on PERSISTENT with stages of one K-tile,
-        FP8_PERSISTENT_SLOTS slots (or down's FP8_SLOT_SPLIT_SLOTS by 128 columns) and not
-        weight-only."""
+        FP8_PERSISTENT_SLOTS or FP8_SLOT_SPLIT_SLOTS slots and not weight-only."""
         tag = _checks.CUDA_TYPES[dtype]
         tail = f"{'true' if gated else 'false'},{epilogue.activation},{epilogue.flags}"
         if fp8 != NOT_FP8 and self.kernel == SLOT:
             raise ValueError("FP8 operands run on expert_gemm and expert_gemm_ws, not on slot_gemm")
         if weight_only and (fp8 == NOT_FP8 or self.kernel != MMA):
             raise ValueError(f"weight-only FP8 runs on expert_gemm with FP8 weights, not {self} (fp8={fp8})")
-        fp8_slots = (FP8_PERSISTENT_SLOTS,) if gated else (FP8_PERSISTENT_SLOTS, FP8_SLOT_SPLIT_SLOTS)
+        fp8_slots = (FP8_PERSISTENT_SLOTS, FP8_SLOT_SPLIT_SLOTS)
         if fp8 != NOT_FP8 and self.kernel == PERSISTENT and (self.k_group != 1 or self.block_m not in fp8_slots):
-            raise ValueError(f"FP8 operands on expert_gemm_ws take stages of one K-tile and 64-slot tiles (down "
-                             f"also {FP8_SLOT_SPLIT_SLOTS}), not {self}")
-        columns = 128 if gated or self.splits_slots(fp8 != NOT_FP8) else 256  # the kernel's TileShape
+            raise ValueError(f"FP8 operands on expert_gemm_ws take stages of one K-tile and tiles of "
+                             f"{' or '.join(map(str, fp8_slots))} slots, not {self}")
+        columns = 128 if gated else 256  # the kernel's TileShape
         if self.kernel == PERSISTENT and self.block_n != columns:
             raise ValueError(f"this expert_gemm_ws tile has {columns} columns, not {self}")
         if self.accumulators != 1 and (fp8 == NOT_FP8 or self.kernel != PERSISTENT):
@@ -203,12 +202,11 @@ FP8_PLANS = (TINY, SMALL, MEDIUM_32, PERSISTENT_FP8)
 # compiles into a module of its own. PERSISTENT_FP8 with two accumulators (its bits are the same).
 PERSISTENT_FP8_TWO_ACCUMULATORS = Plan(replace(PERSISTENT_FP8.gate_up, accumulators=2),
                                        replace(PERSISTENT_FP8.down, accumulators=2))
-# PERSISTENT_FP8 with down tiles of 128 slots by 128 columns, which read each weight row from L2
-# once per 128 slots, not 64 (the same bits).
+# Tiles of 128 slots, 64 a consumer, which multiplies them by each half of the tile's weight rows
+# in turn: a weight row is read from L2 once per 128 slots, not 64 (the same bits).
 FP8_SLOT_SPLIT_SLOTS = 128
-PERSISTENT_FP8_128_SLOT_DOWN = Plan(PERSISTENT_FP8.gate_up,
-                                    GemmConfig(FP8_SLOT_SPLIT_SLOTS, 128, 8, 1, 6, kernel=PERSISTENT))
-FP8_TRIAL_PLANS = (PERSISTENT_FP8_TWO_ACCUMULATORS, PERSISTENT_FP8_128_SLOT_DOWN)
+PERSISTENT_FP8_128 = _persistent_plan(FP8_SLOT_SPLIT_SLOTS, 6)
+FP8_TRIAL_PLANS = (PERSISTENT_FP8_TWO_ACCUMULATORS, PERSISTENT_FP8_128)
 FP8_COMPUTE_CAPABILITY = 89
 # Weight-only FP8 (w8a16; e4m3 weights widened in registers, 16-bit MMAs), on every GPU: the mma.sync
 # FP8 plans by the same rows per expert.

@@ -25,8 +25,9 @@
 // m64n128k32 e4m3 MMAs that sum each K-tile afresh (Fp8ConsumerTile, Fp8KTiles): once they retire
 // it frees the stage and adds the sums to its totals times (slot scale * weight scale), as
 // expert_gemm does. Two plan options, not yet measured: ACCUMULATORS = 2 sums the K-tiles into
-// two accumulators by turns, promoting one K-tile's sums while the next one's MMAs run; down tiles
-// of 128 slots by 128 columns give each consumer 64 of the slots and all the rows (TileShape).
+// two accumulators by turns, promoting one K-tile's sums while the next one's MMAs run; tiles of
+// 128 slots give each consumer 64 of them, multiplied by the two halves of the weight rows in turn
+// (TileShape).
 // Gate/up's weight rows come in pairs of 8 gate and 8 up rows (a 4-D tensor map), so a thread has
 // gate and up of its columns. Its epilogue writes h quantized for the down GEMM (quantize.cuh): a
 // tile's 128 columns are one group of h, the consumers' halves of it joined through shared memory.
@@ -49,26 +50,28 @@ constexpr int PRODUCER_BARRIER = 1;        // named barrier of the producer's th
 constexpr int FIRST_CONSUMER_BARRIER = 2;  // consumer c's epilogue uses named barrier 2 + c
 constexpr int CONSUMERS_BARRIER = FIRST_CONSUMER_BARRIER + CONSUMERS;  // both consumers' (FP8 gate/up's epilogue)
 
-// A tile's weight rows (gate/up: the gate and up rows of its BN output columns) and each
-// consumer's columns. Each consumer multiplies half the weight rows by all the tile's slots, except
-// in FP8's 128-slot tiles (down only), whose consumers take 64 slots each by all 128 weight rows, so
-// a weight row is read from L2 once per 128 slots.
+// How a tile's weight rows (gate/up: the gate and up rows of its BN output columns) are shared
+// out. Each consumer multiplies half of them by all the tile's slots, in one pass over K, except in
+// FP8's 128-slot tiles, whose consumers take 64 slots each and multiply them by the two halves of
+// the rows in turn, a pass over K each: a weight row is then read from L2 once per 128 slots.
 template <int SLOTS, bool GATED, bool SCALED>
 struct TileShape {
   static constexpr bool SPLITS_SLOTS = SCALED && SLOTS == 2 * BLOCK_ROWS;
-  static_assert(!(SPLITS_SLOTS && GATED), "gate/up's 128 columns are one group of h: its consumers split the rows");
-  static constexpr int WEIGHT_ROWS = SPLITS_SLOTS ? CONSUMER_ROWS : CONSUMERS * CONSUMER_ROWS;
+  static constexpr int PASSES = SPLITS_SLOTS ? 2 : 1;  // over K, each multiplying CONSUMER_ROWS weight rows
+  static constexpr int WEIGHT_ROWS = CONSUMERS * CONSUMER_ROWS;
   static constexpr int BN = GATED ? WEIGHT_ROWS / 2 : WEIGHT_ROWS;  // output columns
-  static constexpr int COLUMNS = SPLITS_SLOTS ? BN : BN / CONSUMERS;  // ... per consumer
+  static constexpr int COLUMNS = BN / CONSUMERS;  // of CONSUMER_ROWS weight rows: a consumer's, or a pass's
+  // A consumer's epilogue staging rows: its columns; a split gate/up's, both passes' (one group of h).
+  static constexpr int STAGED_COLUMNS = SPLITS_SLOTS && GATED ? BN : COLUMNS;
 };
 
 // Registers per thread of the producer and of each consumer once reallocated, within what the
 // launch holds: 88 keeps the 16-bit loader of 160-slot tiles unspilled, FP8's of 128-slot tiles
-// needs 96; FP8's consumers with two accumulators beside the totals hold 192 values, and their
+// needs 104; FP8's consumers with two accumulators beside the totals hold 192 values, and their
 // loader (64 slots) needs 64.
 template <class Shape, int ACCUMULATORS>
 struct WarpgroupRegisters {
-  static constexpr int PRODUCER = ACCUMULATORS == 2 ? 64 : Shape::SPLITS_SLOTS ? 96 : 88;
+  static constexpr int PRODUCER = ACCUMULATORS == 2 ? 64 : Shape::SPLITS_SLOTS ? 104 : 88;
   static constexpr int CONSUMER = ACCUMULATORS == 2 ? 216 : Shape::SPLITS_SLOTS ? 200 : 208;
   static_assert(!(Shape::SPLITS_SLOTS && ACCUMULATORS == 2), "no registers for two accumulators beside a 128-slot loader");
   static_assert(PRODUCER_THREADS * PRODUCER + CONSUMERS * WARPGROUP_THREADS * CONSUMER <=
@@ -96,12 +99,12 @@ struct EpilogueStaging {
 
   // FP8 gate/up: pass ``pass``'s staged rows of h as e4m3 bytes into ``q`` [slots, n_out], and each
   // slot's scale (consumer 0) into ``h_scales``; the two consumers' COLUMNS make one quantization
-  // group. A slot's eight 16-byte pieces are adjacent lanes' (CHUNKS of them); its amax over this
+  // group. A slot's 16-byte pieces are adjacent lanes' (CHUNKS of them); its amax over this
   // consumer's columns goes to the spare bytes of its staging row, where the other consumer reads it.
   static __device__ __forceinline__ void write_quantized(unsigned char* q, const Tile& tile, int consumer, int n_out,
                                                          unsigned char* staging, int pass, float* h_scales) {
     constexpr int PIECES = STAGED_SLOTS * CHUNKS / WARPGROUP_THREADS;  // per thread
-    static_assert(PIECES * WARPGROUP_THREADS == STAGED_SLOTS * CHUNKS && CHUNKS == 8, "whole slots in 8 lanes");
+    static_assert(PIECES * WARPGROUP_THREADS == STAGED_SLOTS * CHUNKS, "whole slots in CHUNKS lanes");
     static_assert(PITCH - 2 * COLUMNS >= 4 && CONSUMERS * COLUMNS == FP8_BLOCK, "a staging row's spare bytes hold its amax");
     const int thread = threadIdx.x % WARPGROUP_THREADS;
     uint4 bits[PIECES];
@@ -109,13 +112,7 @@ struct EpilogueStaging {
     for (int p = 0; p < PIECES; ++p) {
       const int piece = thread + p * WARPGROUP_THREADS, row = piece / CHUNKS;
       bits[p] = *reinterpret_cast<const uint4*>(staging + row * PITCH + 16 * (piece % CHUNKS));
-      float amax = 0.0f;
-      const u32 words[4] = {bits[p].x, bits[p].y, bits[p].z, bits[p].w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w)
-        amax = amax_keeping_nan(amax_keeping_nan(amax, fabsf(unpacked(words[w], 0))), fabsf(unpacked(words[w], 1)));
-#pragma unroll
-      for (int offset = 1; offset < CHUNKS; offset <<= 1) amax = amax_keeping_nan(amax, __shfl_xor_sync(~0u, amax, offset));
+      const float amax = row_amax(bits[p]);
       if (piece % CHUNKS == 0) *reinterpret_cast<float*>(staging + row * PITCH + 2 * COLUMNS) = amax;
     }
     named_barrier_sync(CONSUMERS_BARRIER, CONSUMERS * WARPGROUP_THREADS);
@@ -127,13 +124,49 @@ struct EpilogueStaging {
       const float scale = group_scale(amax_keeping_nan(*reinterpret_cast<const float*>(staging + row * PITCH + 2 * COLUMNS),
                                                        *reinterpret_cast<const float*>(other + row * PITCH + 2 * COLUMNS)));
       if (slot >= tile.rows) continue;
-      const float lo[4] = {unpacked(bits[p].x, 0), unpacked(bits[p].x, 1), unpacked(bits[p].y, 0), unpacked(bits[p].y, 1)};
-      const float hi[4] = {unpacked(bits[p].z, 0), unpacked(bits[p].z, 1), unpacked(bits[p].w, 0), unpacked(bits[p].w, 1)};
       const long long row_of_h = tile.slot_base + slot;
-      *reinterpret_cast<uint2*>(q + row_of_h * n_out + tile.n0 + consumer * COLUMNS + 8 * chunk) =
-          make_uint2(e4m3x4(lo, scale), e4m3x4(hi, scale));
+      write_e4m3(q + row_of_h * n_out + tile.n0 + consumer * COLUMNS + 8 * chunk, bits[p], scale);
       if (consumer == 0 && chunk == 0) h_scales[row_of_h * (n_out / FP8_BLOCK) + tile.n0 / FP8_BLOCK] = scale;
     }
+  }
+
+  // FP8 gate/up in a split tile: as write_quantized, each staged row one whole group of h.
+  static __device__ __forceinline__ void write_quantized_group(unsigned char* q, const Tile& tile, int n_out,
+                                                               const unsigned char* staging, int pass, float* h_scales) {
+    constexpr int PIECES = STAGED_SLOTS * CHUNKS / WARPGROUP_THREADS;  // per thread
+    static_assert(PIECES * WARPGROUP_THREADS == STAGED_SLOTS * CHUNKS && COLUMNS == FP8_BLOCK, "whole groups");
+    const int thread = threadIdx.x % WARPGROUP_THREADS;
+#pragma unroll
+    for (int p = 0; p < PIECES; ++p) {
+      const int piece = thread + p * WARPGROUP_THREADS, row = piece / CHUNKS, chunk = piece % CHUNKS;
+      const uint4 bits = *reinterpret_cast<const uint4*>(staging + row * PITCH + 16 * chunk);
+      const float scale = group_scale(row_amax(bits));
+      const int slot = pass * STAGED_SLOTS + row;
+      if (slot >= tile.rows) continue;
+      const long long row_of_h = tile.slot_base + slot;
+      write_e4m3(q + row_of_h * n_out + tile.n0 + 8 * chunk, bits, scale);
+      if (chunk == 0) h_scales[row_of_h * (n_out / FP8_BLOCK) + tile.n0 / FP8_BLOCK] = scale;
+    }
+  }
+
+  // The amax of a staged row's values over the CHUNKS adjacent lanes that hold its pieces (this
+  // lane's: ``bits``), NaN if one is.
+  static __device__ __forceinline__ float row_amax(const uint4& bits) {
+    float amax = 0.0f;
+    const u32 words[4] = {bits.x, bits.y, bits.z, bits.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+      amax = amax_keeping_nan(amax_keeping_nan(amax, fabsf(unpacked(words[w], 0))), fabsf(unpacked(words[w], 1)));
+#pragma unroll
+    for (int offset = 1; offset < CHUNKS; offset <<= 1) amax = amax_keeping_nan(amax, __shfl_xor_sync(~0u, amax, offset));
+    return amax;
+  }
+
+  // A 16-byte piece's eight values divided by ``scale``, as e4m3 bytes at ``dst``.
+  static __device__ __forceinline__ void write_e4m3(unsigned char* dst, const uint4& bits, float scale) {
+    const float lo[4] = {unpacked(bits.x, 0), unpacked(bits.x, 1), unpacked(bits.y, 0), unpacked(bits.y, 1)};
+    const float hi[4] = {unpacked(bits.z, 0), unpacked(bits.z, 1), unpacked(bits.w, 0), unpacked(bits.w, 1)};
+    *reinterpret_cast<uint2*>(dst) = make_uint2(e4m3x4(lo, scale), e4m3x4(hi, scale));
   }
 
   // The value ``half`` (0 the low one) of a pair of T's.
@@ -287,7 +320,10 @@ struct ConsumerTile {
 // Each K-tile's MMAs sum afresh into one of ACCUMULATORS accumulators (Fp8KTiles takes them by
 // turns); once they retire, promote() adds the sums to the totals times (slot scale * weight
 // scale), as expert_gemm does.
-// In a 128-slot tile (down) the consumers take 64 slots each (TileShape).
+// In a 128-slot tile each consumer takes 64 of the slots and multiplies them by the two halves of
+// the weight rows in turn (TileShape's passes): which part of the tile's columns it computes is
+// then the pass's, not the consumer's. A split gate/up keeps pass 0's h in registers until pass 1
+// completes the slots' 128 columns, one group of h.
 template <class T, int TILE_SLOTS, bool GATED, int ACT, int EPILOGUE, int FP8, int ACCUMULATORS>
 struct Fp8ConsumerTile {
   static constexpr bool SCALED = true;
@@ -298,9 +334,10 @@ struct Fp8ConsumerTile {
   static_assert(TILE_SLOTS == (Shape::SPLITS_SLOTS ? CONSUMERS : 1) * SLOTS, "64 slots, or 64 a consumer");
   static constexpr int N = CONSUMER_ROWS;           // weight rows per consumer: the MMA's N
   static constexpr int BN = Shape::BN;              // output columns per tile
-  static constexpr int COLUMNS = Shape::COLUMNS;    // ... per consumer
+  static constexpr int COLUMNS = Shape::COLUMNS;    // ... per part (a consumer's or a pass's)
+  static constexpr int PASSES = Shape::PASSES;
   static constexpr int PIECES = N / 8;              // 8-column pieces of the accumulators
-  using Staging = EpilogueStaging<T, COLUMNS>;
+  using Staging = EpilogueStaging<T, Shape::STAGED_COLUMNS>;
   static constexpr int STAGING_BYTES = Staging::BYTES;
   static_assert(!GATED || (BN == FP8_BLOCK && GATE_UP_PAIR_ROWS == 8), "a tile's columns are one group of h; pieces pair");
   static_assert(SLOTS == 2 * STAGED_SLOTS, "two passes of the epilogue");
@@ -308,6 +345,9 @@ struct Fp8ConsumerTile {
   // columns 8p + 2 (lane % 4) + {0, 1}.
   float acc[ACCUMULATORS][N / 2];
   float total[N / 2];  // the scaled sums of the K-tiles so far, as acc
+  // A split gate/up keeps pass 0's h (pairs of T, as many a thread) in its staging until pass 1's epilogue.
+  static constexpr int FIRST_PASS_PAIRS = COLUMNS / 4;
+  static_assert(!(Shape::SPLITS_SLOTS && GATED) || FIRST_PASS_PAIRS * WARPGROUP_THREADS * 4 <= STAGING_BYTES, "room");
 
   // One K-tile's weight scales of this thread's columns: SCALE_BLOCK's of the gate and up block
   // (down: one); SCALE_CHANNEL's come through TileWeightScales.
@@ -318,17 +358,18 @@ struct Fp8ConsumerTile {
   // down rows each lie in one 128-row scale block (n-tiles divide H and I, multiples of 128), so
   // SCALE_BLOCK keeps a pointer to each one's K-tile scales; SCALE_CHANNEL to the scales of its
   // columns of piece 0 and (gate/up) piece 1, those of piece p lying 8 * (p / 2) further (down: 8p),
-  // and with one accumulator the scales themselves (two leave no registers for them: promote()
-  // reads them each K-tile).
-  static constexpr bool HOLDS_CHANNEL_SCALES = FP8 == SCALE_CHANNEL && ACCUMULATORS == 1;
+  // and in 64-slot tiles with one accumulator the scales themselves (elsewhere no registers are
+  // left for them: promote() reads them each K-tile).
+  static constexpr bool HOLDS_CHANNEL_SCALES = FP8 == SCALE_CHANNEL && ACCUMULATORS == 1 && !Shape::SPLITS_SLOTS;
   struct TileWeightScales {
     const float* rows[2];
     float channel[HOLDS_CHANNEL_SCALES ? PIECES : 1][2];
   };
 
-  // This consumer's first slot of the tile, and which COLUMNS-wide part of the tile's columns it has.
+  // This consumer's first slot of the tile, and which COLUMNS-wide part of the tile's columns it
+  // computes in pass ``pass``.
   static __device__ __forceinline__ int first_slot(int consumer) { return Shape::SPLITS_SLOTS ? consumer * SLOTS : 0; }
-  static __device__ __forceinline__ int column_part(int consumer) { return Shape::SPLITS_SLOTS ? 0 : consumer; }
+  static __device__ __forceinline__ int part(int consumer, int pass) { return Shape::SPLITS_SLOTS ? pass : consumer; }
   // This consumer's slots of the tile (rows <= 0: none).
   static __device__ __forceinline__ Tile own_slots(const Tile& tile, int consumer) {
     return Tile{tile.expert, tile.slot_base + first_slot(consumer), tile.rows - first_slot(consumer), tile.n0};
@@ -338,7 +379,7 @@ struct Fp8ConsumerTile {
   template <int B>
   __device__ __forceinline__ void mma(u32 s_a, u32 s_b, int consumer) {
     const u64 slots = wgmma_desc(s_a + first_slot(consumer) * ROW_BYTES);
-    const u64 rows = wgmma_desc(s_b + column_part(consumer) * N * ROW_BYTES);
+    const u64 rows = wgmma_desc(s_b + (Shape::SPLITS_SLOTS ? 0 : consumer) * N * ROW_BYTES);  // a stage holds a pass's
     wgmma_discard_operands(acc[B]);
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
@@ -350,20 +391,20 @@ struct Fp8ConsumerTile {
     for (int v = 0; v < N / 2; ++v) total[v] = 0.0f;
   }
 
-  // The weight row of this thread's column ``half`` of piece p.
-  __device__ __forceinline__ int weight_row(const Tile& tile, int consumer, int n_out, int p, int half) const {
+  // The weight row of this thread's column ``half`` of piece p of part ``part``.
+  __device__ __forceinline__ int weight_row(const Tile& tile, int part, int n_out, int p, int half) const {
     const int column = 8 * (GATED ? p / 2 : p) + 2 * (threadIdx.x & 3) + half;
-    return tile.n0 + column_part(consumer) * COLUMNS + column + (GATED && (p & 1) ? n_out : 0);
+    return tile.n0 + part * COLUMNS + column + (GATED && (p & 1) ? n_out : 0);
   }
 
-  // The tile's weight scales of this thread's columns, from ``scales.w`` (of the tile's expert).
+  // The tile's weight scales of this thread's columns of part ``part``, from ``scales.w`` (of the tile's expert).
   __device__ __forceinline__ TileWeightScales tile_weight_scales(const Fp8Scales& scales, const Tile& tile,
-                                                                 int consumer, int n_out, int k_tiles) const {
+                                                                 int part, int n_out, int k_tiles) const {
     const int w_rows = GATED ? 2 * n_out : n_out;
     TileWeightScales s;
 #pragma unroll
     for (int b = 0; b < 2; ++b) {  // gate/up: the gate rows, the up rows; down: its rows, twice
-      const int row = weight_row(tile, consumer, n_out, b, 0);
+      const int row = weight_row(tile, part, n_out, b, 0);
       s.rows[b] = FP8 == SCALE_BLOCK
                       ? scales.w + ((long long)tile.expert * (w_rows / FP8_BLOCK) + row / FP8_BLOCK) * k_tiles
                       : scales.w + (long long)tile.expert * w_rows + row;
@@ -412,76 +453,120 @@ struct Fp8ConsumerTile {
     }
   }
 
+  // After pass ``pass``'s K-tiles, the consumer's slots of its part of the tile's columns into C,
+  // through the epilogue (store()); a split gate/up keeps pass 0's h in its staging instead, value
+  // i of thread t at word i * 128 + t.
+  __device__ __forceinline__ void finish_pass(int pass, u16* c, const Tile& tile, int consumer, int n_out,
+                                              unsigned char* staging, const EpilogueArgs& epilogue, const int* order,
+                                              float* h_scales) const {
+    const Tile own = own_slots(tile, consumer);
+    if constexpr (Shape::SPLITS_SLOTS && GATED) {
+      if (pass == 0) {
+        const float2 weights = row_weights(own, epilogue, order);
+        u32* kept = reinterpret_cast<u32*>(staging) + threadIdx.x % WARPGROUP_THREADS;
+#pragma unroll
+        for (int j = 0; j < COLUMNS / 8; ++j)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            kept[(2 * j + half) * WARPGROUP_THREADS] = activated(j, half, half ? weights.y : weights.x, own, 0, n_out,
+                                                                 epilogue);
+        return;
+      }
+    }
+    store(c, own, consumer, part(consumer, pass), n_out, staging, epilogue, order, h_scales);
+  }
+
+ private:
   // The totals' rows are slots: stmatrix stores them (as the mma fragment they are) into this
-  // consumer's staging rows, a pass of STAGED_SLOTS slots by the two warps that hold them; then
-  // gate/up writes them quantized (h's scales into ``h_scales``), down as they are.
-  __device__ __forceinline__ void store(u16* c, const Tile& whole, int consumer, int n_out, unsigned char* staging,
-                                        const EpilogueArgs& epilogue, const int* order, float* h_scales) const {
-    const Tile tile = own_slots(whole, consumer);
+  // consumer's staging rows, a pass of STAGED_SLOTS of ``tile``'s slots (the consumer's) by the two
+  // warps that hold them; then gate/up writes them quantized (h's scales into ``h_scales``; a split
+  // one with pass 0's h beside them), down as they are.
+  __device__ __forceinline__ void store(u16* c, const Tile& tile, int consumer, int part, int n_out,
+                                        unsigned char* staging, const EpilogueArgs& epilogue, const int* order,
+                                        float* h_scales) const {
+    constexpr bool WHOLE_GROUP = Shape::SPLITS_SLOTS && GATED;  // both passes' columns staged
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, m = lane >> 3;
     // Matrix m of each stmatrix: slot rows + 8 (m & 1), the next 8 columns (m >> 1).
     const u32 lane_row = smem_addr(staging) + (16 * (warp & 1) + 8 * (m & 1) + (lane & 7)) * Staging::PITCH + 16 * (m >> 1);
-    const int row = 16 * warp + (lane >> 2);  // this thread's first slot of the consumer's; the other is 8 further
+    const u32 part_row = lane_row + (WHOLE_GROUP ? 2 * COLUMNS : 0);  // where this part's columns are staged
     const int barrier = FIRST_CONSUMER_BARRIER + consumer;
+    u32 first_pass_h[WHOLE_GROUP ? FIRST_PASS_PAIRS : 1];  // pass 0's h, kept in the staging by finish_pass()
+    if constexpr (WHOLE_GROUP) {
+#pragma unroll
+      for (int i = 0; i < FIRST_PASS_PAIRS; ++i)
+        first_pass_h[i] = reinterpret_cast<const u32*>(staging)[i * WARPGROUP_THREADS + threadIdx.x % WARPGROUP_THREADS];
+      named_barrier_sync(barrier, WARPGROUP_THREADS);  // every thread's read, before the staging is written
+    }
 #pragma unroll
     for (int pass = 0; pass < SLOTS / STAGED_SLOTS; ++pass) {
       if (pass * STAGED_SLOTS >= tile.rows) break;
       if ((warp >> 1) == pass) {
-        float2 weights = make_float2(1.0f, 1.0f);
-        if constexpr (EPILOGUE & EPILOGUE_INPUT_WEIGHT)
-          weights = make_float2(slot_weight(row, tile, epilogue, order), slot_weight(row + 8, tile, epilogue, order));
+        const float2 weights = row_weights(tile, epilogue, order);
 #pragma unroll
-        for (int q = 0; q < COLUMNS / 16; ++q) {  // columns 16q..16q + 15 of this consumer's
+        for (int q = 0; q < COLUMNS / 16; ++q) {  // columns 16q..16q + 15 of this part's
+          if constexpr (WHOLE_GROUP)
+            stmatrix_x4(lane_row + 32 * q, first_pass_h[4 * q], first_pass_h[4 * q + 1], first_pass_h[4 * q + 2],
+                        first_pass_h[4 * q + 3]);
           if constexpr (GATED) {
-            stmatrix_x4(lane_row + 32 * q, activated(2 * q, 0, weights.x, tile, consumer, n_out, epilogue),
-                        activated(2 * q, 1, weights.y, tile, consumer, n_out, epilogue),
-                        activated(2 * q + 1, 0, weights.x, tile, consumer, n_out, epilogue),
-                        activated(2 * q + 1, 1, weights.y, tile, consumer, n_out, epilogue));
+            stmatrix_x4(part_row + 32 * q, activated(2 * q, 0, weights.x, tile, part, n_out, epilogue),
+                        activated(2 * q, 1, weights.y, tile, part, n_out, epilogue),
+                        activated(2 * q + 1, 0, weights.x, tile, part, n_out, epilogue),
+                        activated(2 * q + 1, 1, weights.y, tile, part, n_out, epilogue));
           } else {
-            stmatrix_x4(lane_row + 32 * q, biased(2 * q, 0, tile, consumer, n_out, epilogue),
-                        biased(2 * q, 1, tile, consumer, n_out, epilogue),
-                        biased(2 * q + 1, 0, tile, consumer, n_out, epilogue),
-                        biased(2 * q + 1, 1, tile, consumer, n_out, epilogue));
+            stmatrix_x4(part_row + 32 * q, biased(2 * q, 0, tile, part, n_out, epilogue),
+                        biased(2 * q, 1, tile, part, n_out, epilogue), biased(2 * q + 1, 0, tile, part, n_out, epilogue),
+                        biased(2 * q + 1, 1, tile, part, n_out, epilogue));
           }
         }
       }
       named_barrier_sync(barrier, WARPGROUP_THREADS);
-      if constexpr (GATED) {
+      if constexpr (WHOLE_GROUP) {
+        Staging::write_quantized_group(reinterpret_cast<unsigned char*>(c), tile, n_out, staging, pass, h_scales);
+        named_barrier_sync(barrier, WARPGROUP_THREADS);  // the staging rows are free again
+      } else if constexpr (GATED) {
         Staging::write_quantized(reinterpret_cast<unsigned char*>(c), tile, consumer, n_out, staging, pass, h_scales);
         // Both consumers' staging rows are free again (each read the other's amaxes).
         named_barrier_sync(CONSUMERS_BARRIER, CONSUMERS * WARPGROUP_THREADS);
       } else {
-        Staging::write(c, tile, column_part(consumer), n_out, staging, pass);
+        Staging::write(c, tile, part, n_out, staging, pass);
         named_barrier_sync(barrier, WARPGROUP_THREADS);  // the staging rows are free again
       }
     }
   }
 
- private:
+  // The routing weights of this thread's slot rows r and r + 8 of ``tile`` (EPILOGUE_INPUT_WEIGHT; else 1).
+  __device__ __forceinline__ float2 row_weights(const Tile& tile, const EpilogueArgs& epilogue, const int* order) const {
+    float2 weights = make_float2(1.0f, 1.0f);
+    if constexpr (EPILOGUE & EPILOGUE_INPUT_WEIGHT) {
+      const int row = 16 * ((threadIdx.x >> 5) & 3) + ((threadIdx.x & 31) >> 2);
+      weights = make_float2(slot_weight(row, tile, epilogue, order), slot_weight(row + 8, tile, epilogue, order));
+    }
+    return weights;
+  }
   // SCALE_CHANNEL: where the scales of this thread's two columns of piece p are.
   static __device__ __forceinline__ const float* channel_scales(const TileWeightScales& s, int p) {
     return GATED ? s.rows[p & 1] + 8 * (p / 2) : s.rows[0] + 8 * p;
   }
   // Down: this thread's two columns of piece p in slot row r + 8 half, with their bias, packed.
-  __device__ __forceinline__ u32 biased(int p, int half, const Tile& tile, int consumer, int n_out,
+  __device__ __forceinline__ u32 biased(int p, int half, const Tile& tile, int part, int n_out,
                                         const EpilogueArgs& epilogue) const {
     float v0 = total[4 * p + 2 * half], v1 = total[4 * p + 2 * half + 1];
     if constexpr (EPILOGUE & EPILOGUE_BIAS) {
-      const float2 b = bias_pair<T>(epilogue.bias, tile.expert, n_out, weight_row(tile, consumer, n_out, p, 0));
+      const float2 b = bias_pair<T>(epilogue.bias, tile.expert, n_out, weight_row(tile, part, n_out, p, 0));
       v0 += b.x, v1 += b.y;
     }
     return Float16Traits<T>::pack(v0, v1);
   }
   // Gate/up: this thread's two columns of h of gate piece 2j and up piece 2j + 1 in slot row r + 8
   // half, the slot's routing weight on the input, through the activation, packed.
-  __device__ __forceinline__ u32 activated(int j, int half, float weight, const Tile& tile, int consumer, int n_out,
+  __device__ __forceinline__ u32 activated(int j, int half, float weight, const Tile& tile, int part, int n_out,
                                            const EpilogueArgs& epilogue) const {
     const int g = 8 * j + 2 * half, u = g + 4;  // piece 2j's entries, then piece 2j + 1's
     float g0 = total[g], g1 = total[g + 1], u0 = total[u], u1 = total[u + 1];
     if constexpr (EPILOGUE & EPILOGUE_INPUT_WEIGHT) g0 *= weight, g1 *= weight, u0 *= weight, u1 *= weight;
     if constexpr (EPILOGUE & EPILOGUE_BIAS) {
-      const float2 gate = bias_pair<T>(epilogue.bias, tile.expert, 2 * n_out, weight_row(tile, consumer, n_out, 2 * j, 0));
-      const float2 up = bias_pair<T>(epilogue.bias, tile.expert, 2 * n_out, weight_row(tile, consumer, n_out, 2 * j + 1, 0));
+      const float2 gate = bias_pair<T>(epilogue.bias, tile.expert, 2 * n_out, weight_row(tile, part, n_out, 2 * j, 0));
+      const float2 up = bias_pair<T>(epilogue.bias, tile.expert, 2 * n_out, weight_row(tile, part, n_out, 2 * j + 1, 0));
       g0 += gate.x, g1 += gate.y, u0 += up.x, u1 += up.y;
     }
     return Float16Traits<T>::pack(activate<ACT>(g0, u0), activate<ACT>(g1, u1));
@@ -509,11 +594,11 @@ struct ConsumerOf<T, SLOTS, KG, GATED, ACT, EPILOGUE, FP8, ACCUMULATORS, true> {
 template <int SLOTS, int STAGES, int KG, bool GATED, bool SCALED = false>
 struct WsLayout {
   using Shape = TileShape<SLOTS, GATED, SCALED>;
-  static constexpr int STAGE_ROWS = Shape::WEIGHT_ROWS / KG;  // weight rows per stage
+  static constexpr int STAGE_ROWS = Shape::WEIGHT_ROWS / Shape::PASSES / KG;  // weight rows per stage
   static constexpr int A_BYTES = KG * SLOTS * ROW_BYTES, B_BYTES = KG * STAGE_ROWS * ROW_BYTES;  // one stage
   static constexpr int SCALE_BYTES = SCALED ? SLOTS * 4 : 0;                                     // ... FP8
   static constexpr int BARRIER_BYTES = 2 * STAGES * MBARRIER_BYTES;
-  static constexpr int STAGING_BYTES = CONSUMERS * EpilogueStaging<bf16, Shape::COLUMNS>::BYTES;
+  static constexpr int STAGING_BYTES = CONSUMERS * EpilogueStaging<bf16, Shape::STAGED_COLUMNS>::BYTES;
   static constexpr int BYTES =
       SWIZZLE_ALIGN + STAGES * (A_BYTES + B_BYTES + SCALE_BYTES) + BARRIER_BYTES + STAGING_BYTES;
 };
@@ -547,7 +632,8 @@ __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __
   int* next_work = tile_counter(tile_offsets, num_experts);
   // The next tile is claimed while the current one's last K-tiles load, and found and its rows
   // read once the last is issued, so a stage freed at the tile boundary is refilled soon after.
-  const int tile_stages = KG * k_steps;  // KG = 2: both consumers' stages, alternating
+  constexpr int PASSES = Layout::Shape::PASSES;  // (KG = 1)
+  const int tile_stages = PASSES * KG * k_steps;  // KG = 2: both consumers' stages, alternating
   const int claim_stage = max(tile_stages - CLAIM_AHEAD, 0);
   if (threadIdx.x == 0) claimed[0] = atomicAdd(next_work, 1);
   named_barrier_sync(PRODUCER_BARRIER, WARPGROUP_THREADS);
@@ -560,8 +646,9 @@ __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __
     const int w_row = tile.expert * (GATED ? 2 * n_out : n_out) + tile.n0;  // the tile's first weight row
     int next_claim = 0;
     for (int ts = 0; ts < tile_stages; ++ts) {
-      const int half = KG == 1 ? 0 : ts & 1;  // whose rows: KG = 1 both consumers', else consumer `half`'s
-      const int kt0 = ts / KG * KG, kts = min(KG, k_tiles - kt0);
+      const int pass = PASSES == 1 ? 0 : ts / k_steps, step = ts - pass * k_steps;  // pass: whose weight rows
+      const int half = KG == 1 ? 0 : step & 1;  // whose rows: KG = 1 both consumers', else consumer `half`'s
+      const int kt0 = step / KG * KG, kts = min(KG, k_tiles - kt0);
       mbarrier_wait(empty + MBARRIER_BYTES * ring.stage, ring.phase ^ 1);
       for (int j = 0; j < kts; ++j)
         gather.load(s_a + ring.stage * Layout::A_BYTES + j * SLOTS * ROW_BYTES, a, k_dim, kt0 + j);
@@ -571,14 +658,15 @@ __device__ __forceinline__ void produce(const u16* __restrict__ a, const int* __
         if (ts < KG) stage_tile[ring.stage] = tile;  // each consumer's first stage of the tile
         mbarrier_arrive_expect_tx(full + MBARRIER_BYTES * ring.stage, kts * Layout::STAGE_ROWS * ROW_BYTES);
         for (int j = 0; j < kts; ++j) {
-          for (int row = 0; row < Layout::STAGE_ROWS; row += BOX_ROWS) {
-            const u32 dst = s_b + ring.stage * Layout::B_BYTES + (j * Layout::STAGE_ROWS + row) * ROW_BYTES;
+          for (int row = pass * Layout::STAGE_ROWS; row < (pass + 1) * Layout::STAGE_ROWS; row += BOX_ROWS) {
+            const int stage_row = j * Layout::STAGE_ROWS + row - pass * Layout::STAGE_ROWS;
+            const u32 dst = s_b + ring.stage * Layout::B_BYTES + stage_row * ROW_BYTES;
             if constexpr (SCALED && GATED) {  // w_map is the pairs map: the gate and up rows of row / 2 columns on
               tma_load_4d(dst, w_map, (kt0 + j) * BK, 0, 0, (w_row + row / 2) / GATE_UP_PAIR_ROWS,
                           full + MBARRIER_BYTES * ring.stage);
             } else {
-              // Stage row `row` is tile row r (KG = 2: block row / 64 of consumer `half`, where its
-              // MMAs read it with KG = 1); gate/up's rows from BN on are the up projection's, n_out on.
+              // Tile row r: KG = 1 `row`; KG = 2 stage row `row` is block row / 64 of consumer `half`,
+              // where its MMAs read it with KG = 1. Gate/up's rows from BN on are the up projection's, n_out on.
               const int r = KG == 1 ? row : half * Consumer::COLUMNS + row / BLOCK_ROWS * Consumer::SECOND_BLOCK;
               const int skip = (GATED && r >= BN) ? n_out - BN : 0;
               tma_load_2d(dst, w_map, (kt0 + j) * BK, w_row + r + skip, full + MBARRIER_BYTES * ring.stage);
@@ -628,10 +716,12 @@ struct Fp8KTiles {
   int pending = 0;  // the stage of the K-tile whose sums are to be promoted, and its weight scales
   typename Consumer::WeightScales pending_scales{};
 
-  // Two accumulators: at each step the MMAs in flight are accumulator 0's, whatever the path, so
-  // ptxas can tell that those of accumulator 1 have retired.
-  __device__ __forceinline__ void run(int k_tiles) {
+  // The K-tiles from the ring's stage on, whose full barrier the caller waited for unless
+  // ``wait_first``. Two accumulators: at each step the MMAs in flight are accumulator 0's,
+  // whatever the path, so ptxas can tell that those of accumulator 1 have retired.
+  __device__ __forceinline__ void run(int k_tiles, bool wait_first) {
     tile_acc.clear_totals();
+    if (wait_first) mbarrier_wait(full + MBARRIER_BYTES * ring.stage, ring.phase);
     if constexpr (Consumer::ACCUMULATOR_SETS == 1) {
       for (int kt = 0; kt < k_tiles; ++kt) k_tile<0>(kt);
     } else {
@@ -705,9 +795,14 @@ __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, 
     const Tile tile = read_by_leader(stage_tile[ring.stage], warp_leader);
     if (tile.rows < 0) break;
     if constexpr (Consumer::SCALED) {
-      Fp8KTiles<Consumer, Layout, STAGES>{tile_acc, ring, tile_acc.tile_weight_scales(scales, tile, consumer, n_out, k_tiles),
-                                          consumer, s_a, s_b, full, empty, slot_scales, warp_leader}
-          .run(k_tiles);
+      for (int pass = 0; pass < Consumer::PASSES; ++pass) {
+        const int part = Consumer::part(consumer, pass);
+        Fp8KTiles<Consumer, Layout, STAGES>{tile_acc, ring, tile_acc.tile_weight_scales(scales, tile, part, n_out, k_tiles),
+                                            consumer, s_a, s_b, full, empty, slot_scales, warp_leader}
+            .run(k_tiles, pass > 0);
+        tile_acc.finish_pass(pass, c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES, epilogue,
+                             sorted_slots, scales.h);
+      }
     } else {
       int previous = -1;
       const int passes = (tile.rows + STAGED_SLOTS - 1) / STAGED_SLOTS;  // of the MMA's N and the epilogue
@@ -728,9 +823,9 @@ __device__ __forceinline__ void consume(int consumer, int k_tiles, int k_steps, 
       }
       wgmma_wait<0>();
       if (KG == 1 && warp_leader) mbarrier_arrive(empty + MBARRIER_BYTES * previous);
+      tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES, epilogue, sorted_slots,
+                     scales.h);
     }
-    tile_acc.store(c, tile, consumer, n_out, staging + consumer * Consumer::STAGING_BYTES, epilogue, sorted_slots,
-                   scales.h);
   }
 }
 

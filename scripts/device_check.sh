@@ -2,7 +2,7 @@
 # On a GPU machine: install cupymoe, run the GPU test tier, the examples and the FP8 plans probe
 # (which times the trial plans), then the benchmark suite from a wheel install, run outside the
 # checkout, with bf16 and with FP8 weights (DEVICE_CHECK_SUITES="bf16" for one), then the FP8 suite
-# with each plan named in DEVICE_CHECK_FP8_PLANS forced (e.g. "PERSISTENT_FP8_128_SLOT_DOWN": a
+# with each plan named in DEVICE_CHECK_FP8_PLANS forced (e.g. "PERSISTENT_FP8_128": a
 # trial plan's A/B in the same call). Logs, the suites' JSON and plots go to $OUT (default
 # /tmp/cupymoe-device). One call does it all.
 set -uo pipefail

@@ -179,11 +179,11 @@ def test_command_line_defaults_and_errors(capsys):
 
 
 def test_a_plan_is_forced_by_name_for_its_weights(capsys):
-    args = suite.parse_args(["--weights", "fp8", "--plan", "PERSISTENT_FP8_128_SLOT_DOWN"])[0]
-    assert args.plan == "PERSISTENT_FP8_128_SLOT_DOWN" and suite.parse_args([])[0].plan is None
-    assert suite.forced_plan("PERSISTENT_FP8_128_SLOT_DOWN", "fp8") is plans.PERSISTENT_FP8_128_SLOT_DOWN
+    args = suite.parse_args(["--weights", "fp8", "--plan", "PERSISTENT_FP8_128"])[0]
+    assert args.plan == "PERSISTENT_FP8_128" and suite.parse_args([])[0].plan is None
+    assert suite.forced_plan("PERSISTENT_FP8_128", "fp8") is plans.PERSISTENT_FP8_128
     for bad, why in ((["--plan", "NO_SUCH_PLAN"], "not a plan"), (["--plan", "FP8_PLANS"], "not a plan"),
-                     (["--plan", "PERSISTENT_FP8_128_SLOT_DOWN"], "FP8 weights"),
+                     (["--plan", "PERSISTENT_FP8_128"], "FP8 weights"),
                      (["--weights", "fp8", "--plan", "LARGE"], "FP8 weights run their own plans")):
         with pytest.raises(SystemExit):
             suite.parse_args(bad)
