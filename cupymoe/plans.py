@@ -59,8 +59,9 @@ class GemmConfig:
     k_group: int = 1
     # MMA: expert_gemm (mma.sync, sm_80+). PERSISTENT: expert_gemm_ws (sm_90a), a loading
     # warpgroup and two wgmma warpgroups (warps_m = 8), each multiplying half the tile's weight
-    # rows by all block_m slots (FP8's 128-slot tiles: half the slots, by each half of the rows in turn). SLOT: slot_gemm (mma.sync), no dispatch: a block per routed slot,
-    # the blocks of an expert's first slot and of every block_m-th after it computing its slots.
+    # rows by all block_m slots (FP8's 128-slot tiles: half the slots by each half of the rows in
+    # turn). SLOT: slot_gemm (mma.sync), no dispatch: a block per routed slot, the blocks of an
+    # expert's first slot and of every block_m-th after it computing its slots.
     kernel: str = MMA
     # FP8 on PERSISTENT: accumulators per consumer. 2 sums the K-tiles into two by turns, promoting
     # one K-tile's sums while the next one's MMAs run (FP8_TRIAL_PLANS; not yet measured).

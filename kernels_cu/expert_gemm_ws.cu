@@ -322,7 +322,7 @@ struct ConsumerTile {
 // scale), as expert_gemm does.
 // In a 128-slot tile each consumer takes 64 of the slots and multiplies them by the two halves of
 // the weight rows in turn (TileShape's passes): which part of the tile's columns it computes is
-// then the pass's, not the consumer's. A split gate/up keeps pass 0's h in registers until pass 1
+// then the pass's, not the consumer's. A split gate/up keeps pass 0's h in its staging until pass 1
 // completes the slots' 128 columns, one group of h.
 template <class T, int TILE_SLOTS, bool GATED, int ACT, int EPILOGUE, int FP8, int ACCUMULATORS>
 struct Fp8ConsumerTile {

@@ -23,7 +23,8 @@ def main():
     stream = cupy.cuda.Stream(non_blocking=True)
     flush = cupy.empty(64 * 2**20, np.int32)
     names = {id(p): n for n, p in vars(plans).items() if isinstance(p, plans.Plan)}
-    runs = [("w8a8", p) for p in plans.FP8_PLANS + plans.FP8_TRIAL_PLANS] + [("w8a16", p) for p in plans.WEIGHT_ONLY_PLANS]
+    runs = ([("w8a8", p) for p in plans.FP8_PLANS + plans.FP8_TRIAL_PLANS]
+            + [("w8a16", p) for p in plans.WEIGHT_ONLY_PLANS])
     print("T", *[f"{mode}:{names[id(p)]}" for mode, p in runs], "bf16", "bits equal (w8a8 | w8a16)", sep="\t")
     for tokens in args.tokens:
         rng = np.random.default_rng(tokens)
